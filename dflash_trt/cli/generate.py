@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dflash-trt generate`: the batch-1 reference loop from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from dflash_trt.errors import UsageError
+
+
+def _parse_ids(value: str | None, flag: str) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        ids = [int(x) for x in value.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers", param_hint=flag) from None
+    return ids
+
+
+@click.command()
+@click.option("--target", required=True, metavar="NAME_OR_DIR", help="`tiny`, or a transformers model directory.")
+@click.option("--drafter", metavar="DIR", help="z-lab DFlash drafter directory (default: the target's registered drafter).")
+@click.option("--prompt", metavar="TEXT", help="Prompt text (needs a tokenizer in the target directory).")
+@click.option("--prompt-ids", metavar="IDS", help="Prompt as comma-separated token ids, e.g. 5,17,42.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True, help="Tokens to generate (prompt excluded).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (sampled runs are reproducible with it).")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Runtime block size B (<= the drafter's; 1 = no drafting).")
+@click.option("--no-draft", is_flag=True, help="Run the target alone (plain decoding, the speedup baseline).")
+@click.option("--greedy-draft", is_flag=True, help="At T > 0, propose argmax drafts (one-hot rule) instead of sampling.")
+@click.option("--stop-token-ids", metavar="IDS", help="Override the stop ids (default: the target's eos ids).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at eos; generate exactly --max-new-tokens.")
+@click.option("--chat", is_flag=True, help="Wrap --prompt in the tokenizer's chat template (thinking off).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "auto"]), default="auto", show_default=True, help="auto: float32 on CPU, bfloat16 on CUDA.")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object on stdout.")
+def generate(
+    target: str,
+    drafter: str | None,
+    prompt: str | None,
+    prompt_ids: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    block_size: int | None,
+    no_draft: bool,
+    greedy_draft: bool,
+    stop_token_ids: str | None,
+    ignore_eos: bool,
+    chat: bool,
+    device: str,
+    dtype: str,
+    as_json: bool,
+) -> None:
+    """Generate with DFlash speculative decoding (or plain decoding with --no-draft).
+
+    \b
+    Examples:
+      dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64
+      dflash-trt generate --target tiny --prompt-ids 5,17,42 --max-new-tokens 32 --json
+      dflash-trt generate --target ./qwen3 --drafter ./qwen3-dflash --prompt "Hi" --max-new-tokens 128 --temperature 0.7 --seed 1
+
+    With --json the output is one object: output_ids (generated ids only), acceptance_lengths
+    (per round, bonus token included), text (null without a tokenizer), num_rounds,
+    mean_acceptance_length, ttft_s, decode_s.
+    """
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("pass exactly one of --prompt and --prompt-ids")
+    ids = _parse_ids(prompt_ids, "--prompt-ids")
+    stops = _parse_ids(stop_token_ids, "--stop-token-ids")
+
+    from dflash_trt.engine.checkpoint import load_drafter, validate_pair
+    from dflash_trt.engine.generate import spec_generate
+    from dflash_trt.engine.loading import (
+        default_stop_token_ids,
+        load_tokenizer,
+        resolve_mask_token_id,
+        resolve_models,
+    )
+    from dflash_trt.engine.sampling import SamplingConfig
+    from dflash_trt.engine.target import HFTarget, resolve_device, resolve_dtype
+
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy_draft=greedy_draft)
+    models = resolve_models(target, drafter)
+    tokenizer = load_tokenizer(models.target_dir)
+    if ids is None:
+        if tokenizer is None:
+            raise UsageError(
+                f"--prompt needs a tokenizer, and {models.target_dir} has none",
+                hint="pass token ids with --prompt-ids, or save a tokenizer into the target directory",
+            )
+        assert prompt is not None
+        if chat:
+            ids = list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    enable_thinking=False,
+                    return_dict=False,
+                )
+            )
+        else:
+            ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise UsageError("the prompt is empty after tokenisation", hint="pass a non-empty prompt")
+    if stops is None:
+        stops = [] if ignore_eos else default_stop_token_ids(models.target_dir, tokenizer)
+    elif ignore_eos:
+        raise click.UsageError("--ignore-eos and --stop-token-ids are mutually exclusive")
+
+    dev = resolve_device(None if device == "auto" else device)
+    dt = resolve_dtype(None if dtype == "auto" else dtype, dev)
+    tgt = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)
+    draft_model = None
+    if not no_draft and block_size != 1:
+        if models.drafter_dir is None:
+            raise UsageError(
+                f"no drafter for --target={target!r}", hint="pass --drafter DIR, or --no-draft for plain decoding"
+            )
+        draft_model = load_drafter(
+            models.drafter_dir, device=dev, dtype=dt, mask_token_id=resolve_mask_token_id(models.drafter_dir, tokenizer)
+        )
+        validate_pair(draft_model.config, tgt.info, block_size=block_size)
+    result = spec_generate(
+        tgt,
+        draft_model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_token_ids=stops,
+        block_size=block_size,
+    )
+    text = tokenizer.decode(result.output_ids, skip_special_tokens=False) if tokenizer is not None else None
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json(text)) + "\n")
+        return
+    if text is not None:
+        click.echo(text)
+    else:
+        click.echo(" ".join(map(str, result.output_ids)))
+    n = len(result.output_ids)
+    tps = (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else float("nan")
+    mode = "plain decoding" if result.block_size == 1 else f"DFlash block {result.block_size}"
+    click.echo(
+        f"[{mode}] {n} tokens, {result.num_rounds} rounds, mean acceptance length "
+        f"{result.mean_acceptance_length:.2f}, ttft {result.ttft_s * 1e3:.1f} ms, "
+        f"decode {result.decode_s * 1e3:.1f} ms ({tps:.1f} tok/s), finish={result.finish_reason}",
+        err=True,
+    )

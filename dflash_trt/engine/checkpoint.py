@@ -1,0 +1,514 @@
+# SPDX-License-Identifier: Apache-2.0
+"""z-lab DFlash checkpoints: config parsing (one pure function), pair validation, weight I/O.
+
+A checkpoint directory holds `config.json` and `model.safetensors` (or a sharded index) with
+weight names *without* a prefix (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...). The
+token embedding and LM head are not stored: they come from the target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash_trt.errors import CheckpointError, ConfigError, IncompatiblePairError
+from dflash_trt.engine.features import build_target_layer_ids
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.engine.rope import RopeConfig
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class DFlashConfig:
+    """Resolved drafter configuration (z-lab v1 semantics)."""
+
+    hidden_size: int  # D; equals the target's hidden size
+    intermediate_size: int  # I (SwiGLU)
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # Hkv
+    head_dim: int  # d; H * d need not equal D (gpt-oss drafters: 64 * 64 vs 2880)
+    rms_norm_eps: float
+    attention_bias: bool  # q/k/v/o biases, o_proj included (gpt-oss drafters)
+    rope: RopeConfig
+    block_size: int  # B: one anchor slot + B - 1 mask slots
+    mask_token_id: int  # a row of the *target* embedding
+    target_layer_ids: tuple[int, ...]  # tapped target layers, in concatenation order
+    layer_types: tuple[str, ...]  # per draft layer: full_attention | sliding_attention
+    sliding_window: int | None
+    is_causal: bool | None = None  # top-level override of per-layer causality
+    num_target_layers: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None
+    dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    # --- derived -------------------------------------------------------------------------
+    @property
+    def max_draft_len(self) -> int:
+        """Draft tokens per round. The only place `block_size - 1` is computed."""
+        return self.block_size - 1
+
+    @property
+    def num_target_features(self) -> int:
+        """K, the number of tapped target layers (not always L)."""
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, layer: int) -> bool:
+        """Full layers are non-causal; sliding layers are causal (z-lab 0.1.0, vLLM, SGLang),
+        unless the checkpoint sets a top-level `is_causal`."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def to_log_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["rope"] = self.rope.to_dict()
+        out.pop("extra", None)
+        out["max_draft_len"] = self.max_draft_len
+        return out
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The z-lab v1 `config.json` for this drafter (what `save_drafter` writes)."""
+        rope_params: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
+        rope_params.update({k: v for k, v in self.rope.to_dict().items() if k not in ("rope_type", "theta")})
+        cfg: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": None if self.rope.rope_type == "default" else rope_params,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": self.num_hidden_layers,
+            "num_target_layers": self.num_target_layers,
+            "max_position_embeddings": self.max_position_embeddings or 40960,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab_size,
+            "dtype": self.dtype or "bfloat16",
+        }
+        for key in ("input_embedding_scale", "output_multiplier"):
+            if getattr(self, key) != 1.0:
+                cfg["dflash_config"][key] = getattr(self, key)
+        if self.final_logit_softcapping is not None:
+            cfg["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_causal is not None:
+            cfg["is_causal"] = self.is_causal
+        cfg.update(self.extra)
+        return cfg
+
+
+def _int(cfg: Mapping[str, Any], key: str, *, required: bool = True, minimum: int = 1) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise ConfigError(key, None, "missing from the drafter config.json", hint=f"add '{key}'")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"must be an integer >= {minimum}")
+    return value
+
+
+def _float(value: Any, key: str, default: float | None) -> float | None:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(key, value, "must be a finite number")
+    return float(value)
+
+
+def _draft_value(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """0.1.0 semantics: `dflash_config.<key>` first, then the top level."""
+    nested = cfg.get("dflash_config") or {}
+    if key in nested and nested[key] is not None:
+        return nested[key]
+    return cfg.get(key, default)
+
+
+def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | None = None) -> DFlashConfig:
+    """Parse a z-lab v1 drafter `config.json` (as a dict) into a DFlashConfig.
+
+    Accepts both checkpoint shapes (`block_size` top level or in `dflash_config`; they must agree
+    when both are present), derives `target_layer_ids` from `num_target_layers` when absent, and
+    names the field and value in every error. `mask_token_id` overrides the checkpoint's (older
+    checkpoints lack it; resolve `<|MASK|>` through the target tokenizer and pass it here).
+    """
+    from dflash_trt.engine.rope import parse_rope
+
+    cfg = dict(hf_config)
+    if cfg.get("speculators_model_type") or cfg.get("speculators_config"):
+        raise ConfigError(
+            "speculators_model_type",
+            cfg.get("speculators_model_type"),
+            "this is a RedHat speculators checkpoint, not the z-lab DFlash v1 format",
+            hint="use a z-lab DFlash drafter (architectures: [DFlashDraftModel])",
+        )
+    archs = cfg.get("architectures") or ["DFlashDraftModel"]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ConfigError(
+            "architectures",
+            archs,
+            "not a z-lab DFlash v1 drafter",
+            hint="DFlash2DraftModel and other variants are not supported; use a DFlashDraftModel checkpoint",
+        )
+    nested = cfg.get("dflash_config") or {}
+    if not isinstance(nested, dict):
+        raise ConfigError("dflash_config", nested, "must be a mapping")
+
+    # block size: either location, must agree
+    top_bs, nested_bs = cfg.get("block_size"), nested.get("block_size")
+    if top_bs is not None and nested_bs is not None and top_bs != nested_bs:
+        raise ConfigError(
+            "block_size",
+            {"block_size": top_bs, "dflash_config.block_size": nested_bs},
+            "set in both places with different values",
+            hint="keep one of them",
+        )
+    block_size = nested_bs if nested_bs is not None else top_bs
+    if block_size is None:
+        block_size = 16
+        log.warning("drafter config has no block_size; using the reference default 16")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        raise ConfigError(
+            "block_size", block_size, "must be an integer >= 2 (1 anchor + at least 1 draft slot)"
+        )
+
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    num_layers = _int(cfg, "num_hidden_layers")
+    assert hidden is not None and heads is not None and num_layers is not None
+    kv_heads = _int(cfg, "num_key_value_heads", required=False) or heads
+    if heads % kv_heads:
+        raise ConfigError(
+            "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads} (GQA groups)"
+        )
+    head_dim = _int(cfg, "head_dim", required=False) or hidden // heads
+    intermediate = _int(cfg, "intermediate_size")
+    assert intermediate is not None
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError("hidden_act", act, "only silu (SwiGLU) drafters are supported")
+
+    # mask token
+    mask = mask_token_id if mask_token_id is not None else _draft_value(cfg, "mask_token_id")
+    if mask is None:
+        raise ConfigError(
+            "dflash_config.mask_token_id",
+            None,
+            "missing (older checkpoint)",
+            hint="pass the id of the target tokenizer's <|MASK|> token (mask_token_id=...)",
+        )
+    if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
+        raise ConfigError("dflash_config.mask_token_id", mask, "must be a non-negative integer")
+
+    # target layers
+    num_target_layers = cfg.get("num_target_layers")
+    ids = _draft_value(cfg, "target_layer_ids")
+    if ids is None:
+        if not isinstance(num_target_layers, int) or num_target_layers < 1:
+            raise ConfigError(
+                "dflash_config.target_layer_ids",
+                None,
+                "missing, and num_target_layers is not set either",
+                hint="add dflash_config.target_layer_ids or num_target_layers",
+            )
+        ids = build_target_layer_ids(num_target_layers, num_layers)
+    if (
+        not isinstance(ids, Sequence)
+        or not ids
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
+    ):
+        raise ConfigError(
+            "dflash_config.target_layer_ids", ids, "must be a non-empty list of non-negative ints"
+        )
+    if isinstance(num_target_layers, int):
+        for i, layer_id in enumerate(ids):
+            if layer_id >= num_target_layers:
+                raise ConfigError(
+                    f"dflash_config.target_layer_ids[{i}]",
+                    layer_id,
+                    f"out of range for num_target_layers={num_target_layers}",
+                )
+
+    # attention variants
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        use_swa = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+        mwl = cfg.get("max_window_layers", num_layers)
+        layer_types = [
+            "sliding_attention" if use_swa and i >= (mwl if isinstance(mwl, int) else num_layers) else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise ConfigError(
+            "layer_types",
+            layer_types,
+            f"need {num_layers} entries, each one of {', '.join(LAYER_TYPES)}",
+        )
+    sliding_window = cfg.get("sliding_window")
+    if "sliding_attention" in layer_types:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ConfigError(
+                "sliding_window", sliding_window, "must be a positive integer when layer_types has sliding_attention"
+            )
+    else:
+        sliding_window = None
+    is_causal = cfg.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise ConfigError("is_causal", is_causal, "must be true, false or absent")
+
+    softcap = _float(_draft_value(cfg, "final_logit_softcapping"), "final_logit_softcapping", None)
+    if softcap is not None and softcap <= 0:
+        softcap = None
+    eps = _float(cfg.get("rms_norm_eps"), "rms_norm_eps", 1e-6)
+    assert eps is not None
+    known = {
+        "architectures", "model_type", "auto_map", "block_size", "dflash_config", "hidden_size",
+        "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout", "rope_theta",
+        "rope_scaling", "rope_parameters", "layer_types", "sliding_window", "use_sliding_window",
+        "max_window_layers", "num_target_layers", "max_position_embeddings", "tie_word_embeddings",
+        "vocab_size", "dtype", "torch_dtype", "is_causal", "input_embedding_scale", "output_multiplier",
+        "final_logit_softcapping",
+    }  # fmt: skip
+    return DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=eps,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope=parse_rope(cfg),
+        block_size=block_size,
+        mask_token_id=mask,
+        target_layer_ids=tuple(ids),
+        layer_types=tuple(layer_types),
+        sliding_window=sliding_window,
+        is_causal=is_causal,
+        num_target_layers=num_target_layers if isinstance(num_target_layers, int) else None,
+        input_embedding_scale=_float(
+            _draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", 1.0
+        )
+        or 1.0,
+        output_multiplier=_float(_draft_value(cfg, "output_multiplier"), "output_multiplier", 1.0) or 1.0,
+        final_logit_softcapping=softcap,
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        vocab_size=cfg.get("vocab_size"),
+        dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        extra={k: v for k, v in cfg.items() if k not in known},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TargetInfo:
+    """What the drafter needs to know about its target."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int  # rows of the input embedding (may exceed the tokenizer's size)
+    architecture: str = "unknown"
+
+
+def validate_pair(cfg: DFlashConfig, target: TargetInfo, *, block_size: int | None = None) -> None:
+    """Raise IncompatiblePairError (field, value, fix) when drafter and target do not fit."""
+    if cfg.hidden_size != target.hidden_size:
+        raise IncompatiblePairError(
+            "drafter.hidden_size",
+            cfg.hidden_size,
+            f"does not match the target's hidden_size={target.hidden_size}",
+            hint="use the drafter trained for this target",
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise IncompatiblePairError(
+            "drafter.dflash_config.mask_token_id",
+            cfg.mask_token_id,
+            f"is not a row of the target's embedding (vocab_size={target.vocab_size})",
+            hint="use the drafter trained for this target, or pass the target's <|MASK|> id",
+        )
+    for i, layer_id in enumerate(cfg.target_layer_ids):
+        if layer_id >= target.num_hidden_layers:
+            raise IncompatiblePairError(
+                f"drafter.dflash_config.target_layer_ids[{i}]",
+                layer_id,
+                f"out of range for the target's num_hidden_layers={target.num_hidden_layers}",
+                hint="use the drafter trained for this target",
+            )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_hidden_layers:
+        log.warning(
+            "drafter num_target_layers=%s but the target has %s layers",
+            cfg.num_target_layers,
+            target.num_hidden_layers,
+        )
+    if block_size is not None:
+        check_runtime_block_size(cfg, block_size)
+
+
+def check_runtime_block_size(cfg: DFlashConfig, block_size: int) -> None:
+    """A runtime block may be smaller than the trained one, never larger (TRT-LLM rejects it too).
+    Block size 1 is plain autoregressive decoding."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError("block_size", block_size, "must be an integer >= 1 (1 = no drafting)")
+    if block_size > cfg.block_size:
+        raise ConfigError(
+            "block_size",
+            block_size,
+            f"exceeds the drafter's trained block_size={cfg.block_size}",
+            hint=f"use --block-size <= {cfg.block_size}",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def read_json(path: Path, *, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{what}: {path} not found", hint=f"check the {what} directory")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{what}: {path} is not valid JSON ({exc})", hint="re-download the checkpoint") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what}: {path} must hold a JSON object", hint="re-download the checkpoint")
+    return data
+
+
+def load_drafter_config(path: str | Path, *, mask_token_id: int | None = None) -> DFlashConfig:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"drafter directory {directory} does not exist", hint="pass --drafter DIR")
+    return parse_dflash_config(
+        hf_config=read_json(directory / "config.json", what="drafter config"), mask_token_id=mask_token_id
+    )
+
+
+def read_safetensors(directory: Path, *, what: str) -> dict[str, torch.Tensor]:
+    """Load `model.safetensors` or a sharded `model.safetensors.index.json`, with clear errors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = read_json(index, what=f"{what} index").get("weight_map", {})
+        files = sorted({directory / f for f in weight_map.values()})
+    else:
+        raise CheckpointError(f"{what}: no model.safetensors in {directory}", hint="re-download the checkpoint")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{what}: shard {f} is missing", hint="re-download the checkpoint")
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"{what}: {f} is corrupt or unreadable ({exc})", hint="re-download the checkpoint"
+            ) from exc
+    return tensors
+
+
+def load_drafter(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    mask_token_id: int | None = None,
+) -> DFlashDrafter:
+    """Load a z-lab DFlash drafter directory. Unknown or missing tensors are refused."""
+    import torch
+
+    from dflash_trt.engine.drafter import DFlashDrafter
+
+    directory = Path(path)
+    cfg = load_drafter_config(directory, mask_token_id=mask_token_id)
+    state = read_safetensors(directory, what="drafter weights")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected and all(k.startswith("model.") for k in unexpected):
+        hint = "weights carry a 'model.' prefix (vLLM layout); z-lab checkpoints have none"
+        raise CheckpointError(f"drafter weights: unexpected names such as {unexpected[0]!r}", hint=hint)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s), e.g. {unexpected[:3]}")
+        raise CheckpointError(
+            f"drafter weights in {directory} do not match its config.json: " + "; ".join(parts),
+            hint="check num_hidden_layers/attention_bias in config.json or re-download",
+        )
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"drafter tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(tensor.shape)}",
+                hint="config.json and model.safetensors are from different drafters",
+            )
+    target_dtype = dtype or state["fc.weight"].dtype
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(target_dtype) for k, v in state.items()}, strict=True)
+    model.reset_rotary()
+    model.to(device=device, dtype=target_dtype)
+    model.eval()
+    log.info("drafter %s: %s", directory, json.dumps(cfg.to_log_dict(), default=str))
+    return model
+
+
+def save_drafter(model: DFlashDrafter, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors in the z-lab layout, atomically."""
+    from safetensors.torch import save_file
+
+    from dflash_trt.utils.io import atomic_dir
+
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    cfg = model.config.to_hf_config()
+    if dtype is not None:
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        cfg["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with atomic_dir(Path(path), overwrite=True) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Path(path)

@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The DFlash drafter: a few Qwen3-style decoder layers conditioned on target features by
+KV injection, drafting a whole block in one non-causal forward pass (arXiv 2602.06036).
+
+Per round, for a sequence whose anchor sits at absolute position `start`:
+  context   c_t = RMSNorm_hidden(W_fc f_t) for the newly committed positions t < start, where f_t
+            concatenates the target's layer outputs at `target_layer_ids` (shared by all layers).
+  block     [x_anchor, MASK, ..., MASK] at positions start .. start + B - 1, embedded with the
+            *target's* embedding (times input_embedding_scale).
+  layer i   h = RMSNorm_in(x); Q from h (q_norm before RoPE); K, V from [c ; h] through the same
+            k_proj/k_norm/v_proj (c is never input-normalised); RoPE at absolute positions; the B
+            queries attend to every cached context key and all B block keys (no mask on full
+            layers); x += o_proj(attn); x += MLP(RMSNorm_post(x)).
+  output    RMSNorm_norm(x); slot j (1..B-1) predicts the token at start + j through the target's
+            LM head (times output_multiplier, then optional softcap).
+Only context K/V is cached; block K/V is recomputed every round and never stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash_trt.engine.checkpoint import DFlashConfig
+from dflash_trt.engine.kv_cache import PagedKVCache
+from dflash_trt.engine.layers import RMSNorm, SwiGLU, visibility_mask
+from dflash_trt.engine.rope import RotaryEmbedding, apply_rope
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        d, h, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, hkv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, hkv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)  # o bias too (gpt-oss drafters)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., D] -> k, v: [..., Hkv, d] (k normalised and rotated, v raw)."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """h: [bs, B, D] (input-normalised block); cos/sin: [bs, B, d];
+        ctx_k/ctx_v: [bs, Lc, Hkv, d] cached context; mask: [bs, 1, B or 1, Lc + B] bool."""
+        bs, blk, _ = h.shape
+        q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))  # [bs, B, H, d]
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(h, cos, sin)  # [bs, B, Hkv, d]
+        k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
+        v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
+        )  # [bs, H, B, d]
+        return self.o_proj(out.transpose(1, 2).reshape(bs, blk, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.causal = cfg.layer_is_causal(layer_idx)
+        self.window = cfg.layer_window(layer_idx)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # shapes as in DraftAttention.forward
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Weight names match z-lab checkpoints exactly (no prefix). The embedding and LM head are
+    the target's and are bound with `bind_target`; they are not part of the state dict."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.rope, config.head_dim, max_position_embeddings=config.max_position_embeddings
+        )
+        self._embed_weight: torch.Tensor | None = None  # [V, D] from the target
+        self._head_weight: torch.Tensor | None = None  # [V, D] from the target
+        self._head_bias: torch.Tensor | None = None
+
+    # --- binding and housekeeping -------------------------------------------------------------
+    def reset_rotary(self) -> None:
+        """Recompute non-persistent rotary buffers (after meta-device construction)."""
+        device = self.fc.weight.device
+        fresh = RotaryEmbedding(
+            self.config.rope, self.config.head_dim, max_position_embeddings=self.config.max_position_embeddings
+        )
+        self.rotary = fresh.to(device)
+
+    def bind_target(
+        self, embed_weight: torch.Tensor, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None
+    ) -> None:
+        """Share the target's token embedding [V, D] and LM head [V, D] (frozen in training)."""
+        if embed_weight.shape[-1] != self.config.hidden_size or head_weight.shape[-1] != self.config.hidden_size:
+            raise ValueError("target embedding/head width differs from the drafter hidden_size")
+        self._embed_weight = embed_weight
+        self._head_weight = head_weight
+        self._head_bias = head_bias
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def make_cache(self, *, num_pages: int, page_size: int, device=None, dtype=None) -> PagedKVCache:
+        return PagedKVCache(
+            num_layers=self.config.num_hidden_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype or self.fc.weight.dtype,
+            device=device or self.fc.weight.device,
+        )
+
+    # --- the math -------------------------------------------------------------------------
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """block_ids: [bs, B] -> [bs, B, D]: raw target embedding rows times input_embedding_scale."""
+        assert self._embed_weight is not None, "call bind_target() first"
+        x = F.embedding(block_ids, self._embed_weight)
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
+        return x.to(self.fc.weight.dtype)
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [N, K * D] target layer outputs -> c: [N, D]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def inject_context(
+        self, cache: PagedKVCache, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """KV injection for newly committed tokens of every sequence in the batch.
+
+        features: [N, K * D]; positions: [N] absolute; slots: [N] cache slots for those positions.
+        Writes every draft layer's context K/V (k_norm + RoPE applied) into `cache`.
+        """
+        if features.shape[0] == 0:
+            return
+        c = self.fuse_context(features)  # [N, D]
+        cos, sin = self.rotary(positions, c.dtype)  # [N, d]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(c, cos, sin)  # [N, Hkv, d]
+            cache.write(i, slots, k, v)
+
+    def forward_block(
+        self,
+        cache: PagedKVCache,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_index: torch.Tensor,
+        ctx_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One non-causal block pass.
+
+        block_embeds: [bs, B, D]; block_positions: [bs, B] (start_i + j); ctx_index: [bs, Lc] cache
+        slots of positions 0..Lc-1 (see kv_cache.context_index); ctx_lens: [bs] = start_i, the number
+        of valid context keys. Returns the final-normed hidden states [bs, B, D].
+        """
+        bs, blk, _ = block_embeds.shape
+        lc = ctx_index.shape[1]
+        device = block_embeds.device
+        ctx_pos = torch.arange(lc, device=device).expand(bs, lc)  # [bs, Lc]
+        k_pos = torch.cat([ctx_pos, block_positions], dim=1)  # [bs, Lc + B]
+        k_valid = torch.cat(
+            [ctx_pos < ctx_lens[:, None], torch.ones(bs, blk, dtype=torch.bool, device=device)], dim=1
+        )
+        masks: dict[tuple[bool, int | None], torch.Tensor] = {}
+        cos, sin = self.rotary(block_positions, block_embeds.dtype)  # [bs, B, d]
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            key = (layer.causal, layer.window)
+            if key not in masks:
+                if not layer.causal and layer.window is None:
+                    masks[key] = k_valid[:, None, None, :]  # [bs, 1, 1, Lc + B]: everything valid
+                else:
+                    masks[key] = visibility_mask(
+                        block_positions, k_pos, k_valid, causal=layer.causal, window=layer.window
+                    )
+            ctx_k, ctx_v = cache.gather(i, ctx_index)  # [bs, Lc, Hkv, d]
+            x = layer(x, cos, sin, ctx_k, ctx_v, masks[key])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., D] -> logits [..., V] through the target's LM head."""
+        assert self._head_weight is not None, "call bind_target() first"
+        logits = F.linear(hidden.to(self._head_weight.dtype), self._head_weight, self._head_bias)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @classmethod
+    def random(cls, config: DFlashConfig, *, seed: int = 0, std: float = 0.02) -> DFlashDrafter:
+        """A randomly initialised drafter (tests, the untrained `tiny` default)."""
+        gen = torch.Generator().manual_seed(seed)
+        model = cls(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.normal_(0.0, std, generator=gen)
+                else:
+                    p.normal_(0.0, std, generator=gen)
+        return model

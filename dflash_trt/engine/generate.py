@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batch-1 reference loop (dflash-algorithm.md §4): prefill, then rounds of
+draft -> verify -> accept -> commit, with both caches cropped as the algorithm states.
+
+Invariants checked every round (cheap, and the loop is the oracle for everything else):
+  - the target cache holds exactly `start` tokens when a round begins;
+  - the draft cache holds context for positions [0, start) after injection and nothing else;
+  - each round's length a + 1 lies in [1, B]; the prefill token belongs to no round, so
+    sum(acceptance_lengths) == len(output_ids) - 1.
+Block size 1 is plain autoregressive decoding through this same code (the speedup baseline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.engine.drafter import DFlashDrafter
+from dflash_trt.engine.kv_cache import PageAllocator, SequencePages, context_index, pages_for, slot_mapping
+from dflash_trt.engine.sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_DRAFT,
+    PURPOSE_EMIT,
+    SamplingConfig,
+    logits_to_probs,
+    sample_from_probs,
+    seed_tensor,
+    uniform,
+)
+from dflash_trt.engine.target import TargetAdapter
+from dflash_trt.engine.verify import greedy_accept, rejection_accept
+from dflash_trt.errors import ConfigError
+
+DRAFT_PAGE_SIZE = 16
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]  # generated tokens only
+    acceptance_lengths: list[int]  # per round, bonus included, last round truncated
+    ttft_s: float
+    decode_s: float
+    finish_reason: str  # "stop" | "length"
+    num_draft_tokens: int = 0  # drafts proposed
+    num_accepted_draft_tokens: int = 0
+    block_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean round length (tau), bonus token included; 0.0 when no round ran."""
+        if not self.acceptance_lengths:
+            return 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    def to_json(self, text: str | None) -> dict:
+        """The `dflash-trt generate --json` contract."""
+        return {
+            "output_ids": self.output_ids,
+            "acceptance_lengths": self.acceptance_lengths,
+            "text": text,
+            "num_rounds": self.num_rounds,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "ttft_s": self.ttft_s,
+            "decode_s": self.decode_s,
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def spec_generate(
+    target: TargetAdapter,
+    drafter: DFlashDrafter | None,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    stop_token_ids: Sequence[int] = (),
+    block_size: int | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens (prompt excluded) for one prompt.
+
+    With `drafter=None` or `block_size=1` this is plain decoding of the target.
+    """
+    sampling = sampling or SamplingConfig()
+    if not prompt_ids:
+        raise ConfigError("prompt", [], "is empty", hint="pass at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError("max_new_tokens", max_new_tokens, "must be an integer >= 1")
+    if drafter is None:
+        block_size = 1
+    elif block_size is None:
+        block_size = drafter.block_size
+    if block_size < 1 or (drafter is not None and block_size > drafter.block_size):
+        raise ConfigError("block_size", block_size, "must be in [1, drafter block_size]")
+    drafting = drafter is not None and block_size > 1
+    device = target.device
+    layer_ids = list(drafter.config.target_layer_ids) if drafting and drafter is not None else None
+    vocab = target.info.vocab_size
+    for i, t in enumerate(prompt_ids):
+        if not 0 <= int(t) < vocab:
+            raise ConfigError(f"prompt_ids[{i}]", t, f"out of range for vocab_size={vocab}")
+
+    n = len(prompt_ids)
+    max_len = n + max_new_tokens
+    stop = {int(t) for t in stop_token_ids}
+    seeds = seed_tensor(sampling.seed, device=device)  # [1]
+    temp = torch.tensor([sampling.temperature], device=device)
+    top_k = torch.tensor([sampling.top_k], device=device)
+    top_p = torch.tensor([sampling.top_p], device=device)
+
+    def probs_of(logits: torch.Tensor) -> torch.Tensor:  # [T, V] -> [T, V]
+        t = logits.shape[0]
+        return logits_to_probs(logits, temp.expand(t), top_k.expand(t), top_p.expand(t))
+
+    def pos_tensor(first: int, count: int) -> torch.Tensor:  # [1, count]
+        return torch.arange(first, first + count, device=device)[None]
+
+    target.reset()
+    # Draft context cache: one sequence owning enough pages for the whole generation.
+    cache = pages = None
+    if drafting and drafter is not None:
+        num_pages = pages_for(max_len + block_size, DRAFT_PAGE_SIZE) + 1
+        cache = drafter.make_cache(num_pages=num_pages, page_size=DRAFT_PAGE_SIZE)
+        alloc = PageAllocator(num_pages)
+        pages = SequencePages(alloc.allocate(num_pages - 1), DRAFT_PAGE_SIZE)
+        drafter.bind_target(target.embed_weight(), *target.head())
+
+    # --- prefill ---------------------------------------------------------------------------
+    _sync(device)
+    t0 = time.perf_counter()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    logits, feats = target.extend(ids, 0, layer_ids=layer_ids, last_only=True)
+    if sampling.is_greedy:
+        first = int(logits[-1].argmax())
+    else:
+        u = uniform(seeds, pos_tensor(n, 1), PURPOSE_EMIT)[:, 0]
+        first = int(sample_from_probs(probs_of(logits[-1:]), u)[0])
+    _sync(device)
+    ttft = time.perf_counter() - t0
+
+    output = [first]
+    rounds: list[int] = []
+    drafted = accepted_total = 0
+    start = n  # position of the current anchor == tokens in the target cache
+    pending = feats  # [n_pending, K * D] features of positions [start - n_pending, start)
+    finish = "stop" if first in stop else "length"
+    t1 = time.perf_counter()
+    while start + 1 < max_len and finish != "stop":
+        size = min(block_size, max_len - start)
+        g = size - 1
+        block = torch.full((1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device)
+        block[0, 0] = output[-1]
+        draft_probs = None
+        if g > 0:
+            assert drafter is not None and cache is not None and pages is not None and pending is not None
+            table = pages.table(device)  # [1, P]
+            ctx_pos = torch.arange(start - pending.shape[0], start, device=device)
+            drafter.inject_context(
+                cache, pending, ctx_pos, slot_mapping(table, ctx_pos[None], DRAFT_PAGE_SIZE)[0]
+            )
+            lc = pages_for(start, DRAFT_PAGE_SIZE) * DRAFT_PAGE_SIZE
+            hidden = drafter.forward_block(
+                cache,
+                drafter.embed_block(block),
+                pos_tensor(start, size),
+                context_index(table, DRAFT_PAGE_SIZE, pages_for(start, DRAFT_PAGE_SIZE))[:, :lc],
+                torch.tensor([start], device=device),
+            )  # [1, size, D]
+            draft_logits = drafter.compute_logits(hidden[0, 1:])  # [g, V]
+            if sampling.is_greedy or sampling.greedy_draft:
+                block[0, 1:] = draft_logits.argmax(dim=-1)
+                if not sampling.is_greedy:
+                    draft_probs = torch.zeros_like(draft_logits, dtype=torch.float32)
+                    draft_probs.scatter_(-1, block[0, 1:, None], 1.0)
+            else:
+                draft_probs = probs_of(draft_logits)  # [g, V]
+                u = uniform(seeds, pos_tensor(start + 1, g), PURPOSE_DRAFT)[0]  # [g]
+                block[0, 1:] = sample_from_probs(draft_probs, u)
+            drafted += g
+        logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
+        if sampling.is_greedy:
+            acc, emit = greedy_accept(block[:, 1:], logits[None])
+        else:
+            assert g == 0 or draft_probs is not None
+            q = draft_probs if draft_probs is not None else logits.new_zeros((0, logits.shape[-1]))
+            acc, emit = rejection_accept(
+                block[:, 1:],
+                q[None].float(),
+                probs_of(logits)[None],
+                uniform(seeds, pos_tensor(start + 1, g), PURPOSE_ACCEPT),
+                uniform(seeds, pos_tensor(start + 1, size), PURPOSE_EMIT),
+            )
+        a = int(acc[0])
+        accepted_total += a
+        new_tokens = [*block[0, 1 : a + 1].tolist(), int(emit[0])]
+        produced = min(a + 1, max_len - start - 1)
+        for i, tok in enumerate(new_tokens[:produced]):
+            if tok in stop:
+                produced = i + 1
+                finish = "stop"
+                break
+        output.extend(new_tokens[:produced])
+        start += produced
+        target.crop(start)
+        if layer_ids is not None:
+            pending = feats[:produced] if feats is not None else None
+        rounds.append(produced)
+        assert 1 <= produced <= size and target.cache_length == start
+    _sync(device)
+    decode = time.perf_counter() - t1
+    assert sum(rounds) == len(output) - 1
+    return GenerationResult(
+        output_ids=output,
+        acceptance_lengths=rounds,
+        ttft_s=ttft,
+        decode_s=decode,
+        finish_reason=finish,
+        num_draft_tokens=drafted,
+        num_accepted_draft_tokens=accepted_total,
+        block_size=block_size,
+    )

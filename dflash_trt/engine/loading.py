@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Turn user-facing names (`tiny`, local directories) into a loaded target, drafter and tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.errors import CheckpointError, UsageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResolvedModels:
+    target_dir: Path
+    drafter_dir: Path | None
+    name: str  # what the user typed
+
+
+def resolve_models(target: str, drafter: str | None = None) -> ResolvedModels:
+    """`tiny` -> the embedded pair; a directory -> itself. `drafter` overrides the default drafter."""
+    from dflash_trt.tiny import TINY_NAME, ensure_tiny
+
+    default_drafter: Path | None = None
+    if target == TINY_NAME:
+        paths = ensure_tiny()
+        target_dir, default_drafter = paths.target, paths.drafter
+    else:
+        target_dir = Path(target).expanduser()
+        if not target_dir.is_dir():
+            raise UsageError(
+                f"--target={target!r} is neither a known model name nor a directory",
+                hint="use --target tiny, or a directory written by transformers save_pretrained",
+            )
+    drafter_dir = Path(drafter).expanduser() if drafter else default_drafter
+    if drafter_dir is not None and not drafter_dir.is_dir():
+        raise UsageError(f"--drafter={str(drafter_dir)!r} is not a directory", hint="pass a z-lab DFlash drafter directory")
+    return ResolvedModels(target_dir=target_dir, drafter_dir=drafter_dir, name=target)
+
+
+def load_tokenizer(target_dir: Path) -> Any | None:
+    """The target's tokenizer, or None when the directory has none."""
+    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load the tokenizer in {target_dir}: {exc}", hint="re-save the tokenizer") from exc
+
+
+def default_stop_token_ids(target_dir: Path, tokenizer: Any | None) -> list[int]:
+    """eos ids from generation_config.json, then config.json, then the tokenizer."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        path = target_dir / name
+        if path.is_file():
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id")
+            except (OSError, json.JSONDecodeError):
+                eos = None
+            if eos is not None:
+                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [int(tokenizer.eos_token_id)]
+    return []
+
+
+def resolve_mask_token_id(drafter_dir: Path, tokenizer: Any | None) -> int | None:
+    """Older checkpoints lack dflash_config.mask_token_id: fall back to the tokenizer's <|MASK|>."""
+    from dflash_trt.engine.checkpoint import read_json
+
+    cfg = read_json(drafter_dir / "config.json", what="drafter config")
+    if (cfg.get("dflash_config") or {}).get("mask_token_id") is not None or cfg.get("mask_token_id") is not None:
+        return None
+    if tokenizer is None:
+        return None
+    mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    if mask is None or mask == tokenizer.unk_token_id:
+        return None
+    log.warning("drafter config has no mask_token_id; using the tokenizer's <|MASK|> id %s", mask)
+    return int(mask)

@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Acceptance rules: one round turns g drafts and g + 1 target distributions into
+`a` accepted drafts (0 <= a <= g) plus one token emitted by the target.
+
+Row j of the verify output (j = 0..g) is the target's distribution for the position after
+block slot j: rows 0..g-1 judge drafts d_1..d_g, row g is the bonus distribution.
+
+- Greedy: a = longest prefix with d_j == argmax p_j; emit argmax p_{a+1}.
+- Lossless sampling (Leviathan et al.; Chen et al.): accept d_j with probability
+  min(1, p_j(d_j) / q_j(d_j)), i.e. u * q < p, stopping at the first rejection; on a rejection
+  emit a sample of max(0, p - q) renormalised (p itself if that is numerically empty); if all g
+  are accepted emit a sample of the bonus distribution. A greedy draft is q = one-hot, which turns
+  the rule into "accept with probability p(d), else sample p without d".
+Positions after the first rejection are computed but never read, which is what keeps the
+position-keyed uniforms of `sampling.py` single-use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.engine.sampling import sample_from_probs
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_tokens: [N, g]; target_logits: [N, g + 1, V] -> (accepted [N], emitted [N])."""
+    posterior = target_logits.argmax(dim=-1)  # [N, g + 1]
+    match = (draft_tokens == posterior[:, :-1]).to(torch.int64)  # [N, g]
+    accepted = match.cumprod(dim=1).sum(dim=1)  # [N]
+    emitted = posterior.gather(1, accepted[:, None]).squeeze(1)  # [N]
+    return accepted, emitted
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_emit: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling for a batch.
+
+    draft_tokens: [N, g]; draft_probs q: [N, g, V]; target_probs p: [N, g + 1, V] (already
+    temperature/top-k/top-p processed, rows of greedy requests one-hot); u_accept: [N, g];
+    u_emit: [N, g + 1] (column j is the uniform for emitting after j accepted drafts).
+    Returns (accepted [N], emitted [N]).
+    """
+    n, g = draft_tokens.shape
+    p_d = target_probs[:, :g].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [N, g]
+    q_d = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [N, g]
+    ok = (u_accept * q_d < p_d).to(torch.int64)  # [N, g]
+    accepted = ok.cumprod(dim=1).sum(dim=1)  # [N]
+    rows = torch.arange(n, device=draft_tokens.device)
+    p_a = target_probs[rows, accepted]  # [N, V]
+    # q after the last draft is zero: the bonus distribution is p itself.
+    q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [N, g + 1, V]
+    residual = (p_a - q_pad[rows, accepted]).clamp_min(0)  # [N, V]
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    dist = torch.where(empty, p_a, residual)
+    emitted = sample_from_probs(dist, u_emit.gather(1, accepted[:, None]).squeeze(1))
+    return accepted, emitted
