@@ -25,7 +25,18 @@ _LAZY: dict[str, str] = {
     "ensure_tiny": "dflash_trt.tiny:ensure_tiny",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "DFlashConfig",
+    "DFlashDrafter",
+    "GenerationResult",
+    "HFTarget",
+    "__version__",
+    "build_target_layer_ids",
+    "ensure_tiny",
+    "load_drafter",
+    "parse_dflash_config",
+    "spec_generate",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from dflash_trt.engine.checkpoint import DFlashConfig, load_drafter, parse_dflash_config

@@ -26,6 +26,9 @@ class DFlashTrtError(Exception):
             text += f"; fix: {self.hint}"
         return text.replace("\n", " ")
 
+    def __str__(self) -> str:
+        return self.one_line()
+
 
 class UsageError(DFlashTrtError):
     """Bad input from the user (flags, files, incompatible model pair). Exit code 2."""

@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ TINY_VERSION = "random-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 
 # Shapes of the tiny pair (the target is Qwen3-architecture).
-TINY_TARGET = {
+TINY_TARGET: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 6,
@@ -28,7 +29,7 @@ TINY_TARGET = {
     "head_dim": 16,
     "max_position_embeddings": 4096,
 }
-TINY_DRAFTER = {"num_hidden_layers": 2, "block_size": 8, "target_layer_ids": [1, 4]}
+TINY_DRAFTER: dict[str, Any] = {"num_hidden_layers": 2, "block_size": 8, "target_layer_ids": [1, 4]}
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,11 @@ def build_byte_tokenizer():
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -97,6 +102,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _create(out: Path) -> None:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     from dflash_trt.engine.checkpoint import parse_dflash_config, save_drafter
     from dflash_trt.engine.drafter import DFlashDrafter
@@ -106,7 +114,9 @@ def _create(out: Path) -> None:
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
     torch.manual_seed(1234)
-    cfg = Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, eos_token_id=eos, bos_token_id=None, **TINY_TARGET)
+    cfg = Qwen3Config(
+        vocab_size=vocab, tie_word_embeddings=True, eos_token_id=eos, bos_token_id=None, **TINY_TARGET
+    )
     cfg.architectures = ["Qwen3ForCausalLM"]
     target = Qwen3ForCausalLM(cfg).eval()
     target.generation_config = GenerationConfig(eos_token_id=eos)

@@ -20,8 +20,14 @@ from dflash_trt.errors import DFlashTrtError
 
 # name -> (module:attribute, one-line help). Listing help here keeps `--help` import-free.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("dflash_trt.cli.generate:generate", "Generate text with DFlash (or plain decoding) on CPU or GPU."),
-    "bench": ("dflash_trt.cli.bench:bench", "Benchmarks: throughput-vs-interactivity sweeps, Pareto plots, comparisons."),
+    "generate": (
+        "dflash_trt.cli.generate:generate",
+        "Generate text with DFlash (or plain decoding) on CPU or GPU.",
+    ),
+    "bench": (
+        "dflash_trt.cli.bench:bench",
+        "Benchmarks: throughput-vs-interactivity sweeps, Pareto plots, comparisons.",
+    ),
     "chart": ("dflash_trt.cli.chart:chart", "Lint or render the Helm chart with a bundle's values."),
 }
 

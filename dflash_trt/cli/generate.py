@@ -17,28 +17,60 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
     try:
         ids = [int(x) for x in value.replace(" ", "").split(",") if x != ""]
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers", param_hint=flag) from None
+        raise click.BadParameter(
+            f"{value!r} is not a comma-separated list of integers", param_hint=flag
+        ) from None
     return ids
 
 
 @click.command()
-@click.option("--target", required=True, metavar="NAME_OR_DIR", help="`tiny`, or a transformers model directory.")
-@click.option("--drafter", metavar="DIR", help="z-lab DFlash drafter directory (default: the target's registered drafter).")
+@click.option(
+    "--target", required=True, metavar="NAME_OR_DIR", help="`tiny`, or a transformers model directory."
+)
+@click.option(
+    "--drafter",
+    metavar="DIR",
+    help="z-lab DFlash drafter directory (default: the target's registered drafter).",
+)
 @click.option("--prompt", metavar="TEXT", help="Prompt text (needs a tokenizer in the target directory).")
 @click.option("--prompt-ids", metavar="IDS", help="Prompt as comma-separated token ids, e.g. 5,17,42.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True, help="Tokens to generate (prompt excluded).")
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Tokens to generate (prompt excluded).",
+)
+@click.option(
+    "--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 = greedy."
+)
+@click.option(
+    "--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True
+)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (sampled runs are reproducible with it).")
-@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Runtime block size B (<= the drafter's; 1 = no drafting).")
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Runtime block size B (<= the drafter's; 1 = no drafting).",
+)
 @click.option("--no-draft", is_flag=True, help="Run the target alone (plain decoding, the speedup baseline).")
-@click.option("--greedy-draft", is_flag=True, help="At T > 0, propose argmax drafts (one-hot rule) instead of sampling.")
-@click.option("--stop-token-ids", metavar="IDS", help="Override the stop ids (default: the target's eos ids).")
+@click.option(
+    "--greedy-draft", is_flag=True, help="At T > 0, propose argmax drafts (one-hot rule) instead of sampling."
+)
+@click.option(
+    "--stop-token-ids", metavar="IDS", help="Override the stop ids (default: the target's eos ids)."
+)
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at eos; generate exactly --max-new-tokens.")
 @click.option("--chat", is_flag=True, help="Wrap --prompt in the tokenizer's chat template (thinking off).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "auto"]), default="auto", show_default=True, help="auto: float32 on CPU, bfloat16 on CUDA.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "auto"]),
+    default="auto",
+    show_default=True,
+    help="auto: float32 on CPU, bfloat16 on CUDA.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object on stdout.")
 def generate(
     target: str,
@@ -88,7 +120,9 @@ def generate(
     from dflash_trt.engine.sampling import SamplingConfig
     from dflash_trt.engine.target import HFTarget, resolve_device, resolve_dtype
 
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy_draft=greedy_draft)
+    sampling = SamplingConfig(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy_draft=greedy_draft
+    )
     models = resolve_models(target, drafter)
     tokenizer = load_tokenizer(models.target_dir)
     if ids is None:
@@ -124,10 +158,14 @@ def generate(
     if not no_draft and block_size != 1:
         if models.drafter_dir is None:
             raise UsageError(
-                f"no drafter for --target={target!r}", hint="pass --drafter DIR, or --no-draft for plain decoding"
+                f"no drafter for --target={target!r}",
+                hint="pass --drafter DIR, or --no-draft for plain decoding",
             )
         draft_model = load_drafter(
-            models.drafter_dir, device=dev, dtype=dt, mask_token_id=resolve_mask_token_id(models.drafter_dir, tokenizer)
+            models.drafter_dir,
+            device=dev,
+            dtype=dt,
+            mask_token_id=resolve_mask_token_id(models.drafter_dir, tokenizer),
         )
         validate_pair(draft_model.config, tgt.info, block_size=block_size)
     result = spec_generate(

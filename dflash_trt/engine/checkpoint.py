@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_trt.errors import CheckpointError, ConfigError, IncompatiblePairError
 from dflash_trt.engine.features import build_target_layer_ids
+from dflash_trt.errors import CheckpointError, ConfigError, IncompatiblePairError
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ class DFlashConfig:
     final_logit_softcapping: float | None = None
     max_position_embeddings: int | None = None
     vocab_size: int | None = None
-    dtype: str | None = None
+    dtype: str | None = field(default=None, compare=False)  # storage dtype, not semantics
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     # --- derived -------------------------------------------------------------------------
@@ -117,11 +117,11 @@ class DFlashConfig:
             "use_sliding_window": self.sliding_window is not None,
             "max_window_layers": self.num_hidden_layers,
             "num_target_layers": self.num_target_layers,
-            "max_position_embeddings": self.max_position_embeddings or 40960,
             "tie_word_embeddings": False,
-            "vocab_size": self.vocab_size,
-            "dtype": self.dtype or "bfloat16",
         }
+        for key in ("max_position_embeddings", "vocab_size", "dtype"):
+            if getattr(self, key) is not None:
+                cfg[key] = getattr(self, key)
         for key in ("input_embedding_scale", "output_multiplier"):
             if getattr(self, key) != 1.0:
                 cfg["dflash_config"][key] = getattr(self, key)
@@ -271,7 +271,9 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
         use_swa = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
         mwl = cfg.get("max_window_layers", num_layers)
         layer_types = [
-            "sliding_attention" if use_swa and i >= (mwl if isinstance(mwl, int) else num_layers) else "full_attention"
+            "sliding_attention"
+            if use_swa and i >= (mwl if isinstance(mwl, int) else num_layers)
+            else "full_attention"
             for i in range(num_layers)
         ]
     if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
@@ -284,7 +286,9 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     if "sliding_attention" in layer_types:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ConfigError(
-                "sliding_window", sliding_window, "must be a positive integer when layer_types has sliding_attention"
+                "sliding_window",
+                sliding_window,
+                "must be a positive integer when layer_types has sliding_attention",
             )
     else:
         sliding_window = None
@@ -323,9 +327,7 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
         sliding_window=sliding_window,
         is_causal=is_causal,
         num_target_layers=num_target_layers if isinstance(num_target_layers, int) else None,
-        input_embedding_scale=_float(
-            _draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", 1.0
-        )
+        input_embedding_scale=_float(_draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", 1.0)
         or 1.0,
         output_multiplier=_float(_draft_value(cfg, "output_multiplier"), "output_multiplier", 1.0) or 1.0,
         final_logit_softcapping=softcap,
@@ -405,7 +407,9 @@ def read_json(path: Path, *, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{what}: {path} is not valid JSON ({exc})", hint="re-download the checkpoint") from exc
+        raise CheckpointError(
+            f"{what}: {path} is not valid JSON ({exc})", hint="re-download the checkpoint"
+        ) from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{what}: {path} must hold a JSON object", hint="re-download the checkpoint")
     return data
@@ -433,7 +437,9 @@ def read_safetensors(directory: Path, *, what: str) -> dict[str, torch.Tensor]:
         weight_map = read_json(index, what=f"{what} index").get("weight_map", {})
         files = sorted({directory / f for f in weight_map.values()})
     else:
-        raise CheckpointError(f"{what}: no model.safetensors in {directory}", hint="re-download the checkpoint")
+        raise CheckpointError(
+            f"{what}: no model.safetensors in {directory}", hint="re-download the checkpoint"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():
@@ -502,7 +508,9 @@ def save_drafter(model: DFlashDrafter, path: str | Path, *, dtype: torch.dtype |
 
     from dflash_trt.utils.io import atomic_dir
 
-    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()
+    }
     cfg = model.config.to_hf_config()
     if dtype is not None:
         cfg["dtype"] = str(dtype).removeprefix("torch.")

@@ -18,6 +18,8 @@ Only context K/V is cached; block K/V is recomputed every round and never stored
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -102,7 +104,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
+        self.rotary: RotaryEmbedding = RotaryEmbedding(
             config.rope, config.head_dim, max_position_embeddings=config.max_position_embeddings
         )
         self._embed_weight: torch.Tensor | None = None  # [V, D] from the target
@@ -114,7 +116,9 @@ class DFlashDrafter(nn.Module):
         """Recompute non-persistent rotary buffers (after meta-device construction)."""
         device = self.fc.weight.device
         fresh = RotaryEmbedding(
-            self.config.rope, self.config.head_dim, max_position_embeddings=self.config.max_position_embeddings
+            self.config.rope,
+            self.config.head_dim,
+            max_position_embeddings=self.config.max_position_embeddings,
         )
         self.rotary = fresh.to(device)
 
@@ -122,7 +126,10 @@ class DFlashDrafter(nn.Module):
         self, embed_weight: torch.Tensor, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None
     ) -> None:
         """Share the target's token embedding [V, D] and LM head [V, D] (frozen in training)."""
-        if embed_weight.shape[-1] != self.config.hidden_size or head_weight.shape[-1] != self.config.hidden_size:
+        if (
+            embed_weight.shape[-1] != self.config.hidden_size
+            or head_weight.shape[-1] != self.config.hidden_size
+        ):
             raise ValueError("target embedding/head width differs from the drafter hidden_size")
         self._embed_weight = embed_weight
         self._head_weight = head_weight
@@ -172,8 +179,8 @@ class DFlashDrafter(nn.Module):
             return
         c = self.fuse_context(features)  # [N, D]
         cos, sin = self.rotary(positions, c.dtype)  # [N, d]
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(c, cos, sin)  # [N, Hkv, d]
+        for i, module in enumerate(self.layers):
+            k, v = cast(DraftLayer, module).self_attn.project_kv(c, cos, sin)  # [N, Hkv, d]
             cache.write(i, slots, k, v)
 
     def forward_block(
@@ -201,7 +208,8 @@ class DFlashDrafter(nn.Module):
         masks: dict[tuple[bool, int | None], torch.Tensor] = {}
         cos, sin = self.rotary(block_positions, block_embeds.dtype)  # [bs, B, d]
         x = block_embeds
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer = cast(DraftLayer, module)
             key = (layer.causal, layer.window)
             if key not in masks:
                 if not layer.causal and layer.window is None:

@@ -142,6 +142,7 @@ def spec_generate(
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     logits, feats = target.extend(ids, 0, layer_ids=layer_ids, last_only=True)
+    target.crop(n)  # no-op in length; lets sliding-window caches drop states they no longer need
     if sampling.is_greedy:
         first = int(logits[-1].argmax())
     else:
@@ -160,7 +161,9 @@ def spec_generate(
     while start + 1 < max_len and finish != "stop":
         size = min(block_size, max_len - start)
         g = size - 1
-        block = torch.full((1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device)
+        block = torch.full(
+            (1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device
+        )
         block[0, 0] = output[-1]
         draft_probs = None
         if g > 0:

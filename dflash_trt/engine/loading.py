@@ -37,20 +37,26 @@ def resolve_models(target: str, drafter: str | None = None) -> ResolvedModels:
             )
     drafter_dir = Path(drafter).expanduser() if drafter else default_drafter
     if drafter_dir is not None and not drafter_dir.is_dir():
-        raise UsageError(f"--drafter={str(drafter_dir)!r} is not a directory", hint="pass a z-lab DFlash drafter directory")
+        raise UsageError(
+            f"--drafter={str(drafter_dir)!r} is not a directory", hint="pass a z-lab DFlash drafter directory"
+        )
     return ResolvedModels(target_dir=target_dir, drafter_dir=drafter_dir, name=target)
 
 
 def load_tokenizer(target_dir: Path) -> Any | None:
     """The target's tokenizer, or None when the directory has none."""
-    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(target_dir)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot load the tokenizer in {target_dir}: {exc}", hint="re-save the tokenizer") from exc
+        raise CheckpointError(
+            f"cannot load the tokenizer in {target_dir}: {exc}", hint="re-save the tokenizer"
+        ) from exc
 
 
 def default_stop_token_ids(target_dir: Path, tokenizer: Any | None) -> list[int]:
@@ -76,7 +82,9 @@ def resolve_mask_token_id(drafter_dir: Path, tokenizer: Any | None) -> int | Non
     from dflash_trt.engine.checkpoint import read_json
 
     cfg = read_json(drafter_dir / "config.json", what="drafter config")
-    if (cfg.get("dflash_config") or {}).get("mask_token_id") is not None or cfg.get("mask_token_id") is not None:
+    if (cfg.get("dflash_config") or {}).get("mask_token_id") is not None or cfg.get(
+        "mask_token_id"
+    ) is not None:
         return None
     if tokenizer is None:
         return None

@@ -105,9 +105,12 @@ class HFTarget:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: torch.device, dtype: torch.dtype) -> HFTarget:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         directory = Path(path)
         read_json(directory / "config.json", what="target config")
+        model: Any
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:

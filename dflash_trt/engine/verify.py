@@ -22,7 +22,9 @@ import torch
 from dflash_trt.engine.sampling import sample_from_probs
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """draft_tokens: [N, g]; target_logits: [N, g + 1, V] -> (accepted [N], emitted [N])."""
     posterior = target_logits.argmax(dim=-1)  # [N, g + 1]
     match = (draft_tokens == posterior[:, :-1]).to(torch.int64)  # [N, g]

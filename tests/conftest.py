@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures: tiny random targets of every supported architecture and matching drafters.
+
+Sizes are odd on purpose (vocab 61, intermediate 37-ish) so shape bugs cannot hide behind
+powers of two. Everything is float32 on CPU, where greedy speculative decoding must equal plain
+greedy decoding bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-goldens", action="store_true", help="rewrite golden files instead of comparing"
+    )
+
+
+@pytest.fixture
+def update_goldens(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-goldens"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep the tiny model cache per test session unless the caller pinned DFLASH_TRT_HOME."""
+    if "DFLASH_TRT_HOME" not in os.environ:
+        os.environ["DFLASH_TRT_HOME"] = str(tmp_path_factory.mktemp("dflash-home"))
+
+
+VOCAB = 61
+ARCHS = ("qwen3", "llama", "gpt_oss")
+
+
+def make_target(arch: str = "qwen3", *, seed: int = 0, vocab: int = VOCAB, layers: int = 6, **overrides: Any):
+    """A random float32 transformers causal LM of the given architecture."""
+    import torch
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=37,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=1024,
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        cfg = Qwen3Config(**common)
+        cls = Qwen3ForCausalLM
+    elif arch == "llama":
+        cfg = LlamaConfig(**common)
+        cls = LlamaForCausalLM
+    elif arch == "gpt_oss":
+        # transformers' grouped-GEMM experts need 16-byte strides: keep the expert width a multiple of 4.
+        common["intermediate_size"] = overrides.get("intermediate_size", 40)
+        common.setdefault("num_local_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("sliding_window", 8)
+        common.setdefault(
+            "rope_parameters",
+            {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "rope_theta": 150000.0,
+            },
+        )
+        cfg = GptOssConfig(**common)
+        cls = GptOssForCausalLM
+    else:  # pragma: no cover
+        raise ValueError(arch)
+    cfg.architectures = [cls.__name__]
+    model = cls(cfg).eval()
+    # Sharper-than-default logits make greedy ties (and thus flaky equality) vanishingly rare.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    return model
+
+
+def drafter_hf_config(
+    target: Any,
+    *,
+    variant: str = "plain",
+    layers: int = 2,
+    block_size: int = 4,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A z-lab v1 drafter config.json dict fitting `target`.
+
+    variants: plain | gpt_oss (attention bias + yarn) | swa (sliding + full layers) |
+    scaled (input_embedding_scale, output_multiplier, softcap) | llama3 (llama3 rope)
+    """
+    t = target.config
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": t.hidden_size,
+        "intermediate_size": 29,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 12,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10000.0,
+        "block_size": block_size,
+        "num_target_layers": t.num_hidden_layers,
+        "vocab_size": t.vocab_size,
+        "dflash_config": {
+            "mask_token_id": t.vocab_size - 1,
+            "target_layer_ids": [1, t.num_hidden_layers - 2],
+        },
+    }
+    if variant == "gpt_oss":
+        cfg.update(
+            attention_bias=True,
+            num_attention_heads=6,
+            head_dim=10,  # H * d = 60 != D = 48, as in the gpt-oss drafters
+            rope_theta=150000.0,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        )
+    elif variant == "swa":
+        cfg.update(
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            sliding_window=5,
+            use_sliding_window=True,
+        )
+    elif variant == "scaled":
+        cfg["dflash_config"].update(
+            input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=4.0
+        )
+    elif variant == "llama3":
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    elif variant != "plain":  # pragma: no cover
+        raise ValueError(variant)
+    cfg.update(extra)
+    return cfg
+
+
+def make_drafter(target: Any, *, seed: int = 1, std: float = 0.3, **kwargs: Any):
+    from dflash_trt.engine.checkpoint import parse_dflash_config
+    from dflash_trt.engine.drafter import DFlashDrafter
+
+    cfg = parse_dflash_config(hf_config=drafter_hf_config(target, **kwargs))
+    return DFlashDrafter.random(cfg, seed=seed, std=std).eval()
+
+
+@pytest.fixture
+def tmp_models(tmp_path: Path):
+    """Factory: save a random target (+ byte tokenizer optionally) and drafter to disk."""
+
+    def _make(arch: str = "qwen3", *, tokenizer: bool = False, **kw: Any) -> tuple[Path, Path]:
+        from dflash_trt.engine.checkpoint import save_drafter
+
+        target = make_target(arch, **kw)
+        drafter = make_drafter(target)
+        tdir, ddir = tmp_path / f"{arch}-target", tmp_path / f"{arch}-drafter"
+        target.save_pretrained(tdir)
+        if tokenizer:
+            from dflash_trt.tiny import build_byte_tokenizer
+
+            build_byte_tokenizer().save_pretrained(tdir)
+        save_drafter(drafter, ddir)
+        return tdir, ddir
+
+    return _make

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dflash-trt generate`: the JSON contract, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash_trt.cli import main
+
+CONTRACT = {
+    "output_ids": list,
+    "acceptance_lengths": list,
+    "text": (str, type(None)),
+    "num_rounds": int,
+    "mean_acceptance_length": float,
+    "ttft_s": float,
+    "decode_s": float,
+}
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_and_import_do_not_load_torch():
+    code = (
+        "import sys, io, contextlib\n"
+        "import dflash_trt\n"
+        "from dflash_trt.cli import main\n"
+        "for args in (['--help'], ['generate', '--help'], ['--version']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try: main(args)\n"
+        "        except SystemExit as e: assert e.code == 0, (args, e.code)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'tritonclient', 'modelopt', 'triton', 'matplotlib') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_json_contract_on_tiny(capsys):
+    args = ["generate", "--target", "tiny", "--prompt", "def fib(n):", "--max-new-tokens", "24", "--json"]
+    code, out, _ = run(args, capsys)
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, "exactly one JSON object on stdout"
+    data = json.loads(lines[0])
+    assert set(data) == set(CONTRACT)
+    for key, typ in CONTRACT.items():
+        assert isinstance(data[key], typ), key
+    assert len(data["output_ids"]) == 24 or data["output_ids"][-1] == 256  # length or eos
+    assert data["num_rounds"] == len(data["acceptance_lengths"])
+    assert sum(data["acceptance_lengths"]) == len(data["output_ids"]) - 1
+    from dflash_trt.tiny import build_byte_tokenizer
+
+    assert data["text"] == build_byte_tokenizer().decode(data["output_ids"])
+    code, out2, _ = run([*args, "--no-draft"], capsys)
+    assert code == 0 and json.loads(out2)["output_ids"] == data["output_ids"]
+    assert set(json.loads(out2)["acceptance_lengths"]) <= {1}
+
+
+def test_prompt_ids_sampling_and_block_size(capsys):
+    base = ["generate", "--target", "tiny", "--prompt-ids", "5,17,42", "--max-new-tokens", "16", "--json"]
+    code, out, _ = run(
+        [*base, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"], capsys
+    )
+    assert code == 0
+    a = json.loads(out)
+    code, out, _ = run(
+        [*base, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"], capsys
+    )
+    assert json.loads(out)["output_ids"] == a["output_ids"]
+    code, out, _ = run([*base, "--block-size", "2"], capsys)
+    assert code == 0 and max(json.loads(out)["acceptance_lengths"]) <= 2
+
+
+def test_human_output_reports_statistics(capsys):
+    code, out, err = run(
+        ["generate", "--target", "tiny", "--prompt", "x = ", "--max-new-tokens", "8"], capsys
+    )
+    assert code == 0 and out
+    assert "mean acceptance length" in err and "rounds" in err
+
+
+def test_local_directories(tmp_models, capsys):
+    tdir, ddir = tmp_models("llama")
+    args = [
+        "generate",
+        "--target",
+        str(tdir),
+        "--drafter",
+        str(ddir),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "12",
+    ]
+    code, out, _ = run([*args, "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["text"] is None and len(data["output_ids"]) == 12
+    code, out, _ = run([*args, "--json", "--no-draft"], capsys)
+    assert json.loads(out)["output_ids"] == data["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "code_want", "pattern"),
+    [
+        (
+            ["--prompt", "hello"],
+            2,
+            r"error: --prompt needs a tokenizer.*fix: pass token ids with --prompt-ids",
+        ),
+        (["--prompt-ids", "1,x"], 2, r"--prompt-ids.*not a comma-separated list of integers"),
+        (
+            ["--prompt-ids", "1,2", "--block-size", "9"],
+            2,
+            r"block_size=9: exceeds the drafter's trained block_size=4",
+        ),
+        (["--prompt-ids", "1,2,999"], 2, r"prompt_ids\[2\]=999: out of range for vocab_size=61"),
+        (["--prompt-ids", "1,2", "--temperature", "-1"], 2, r"--temperature"),
+        (["--prompt-ids", "1,2", "--top-p", "1.5"], 2, r"--top-p"),
+        (["--prompt", "a", "--prompt-ids", "1"], 2, r"exactly one of --prompt and --prompt-ids"),
+    ],
+)
+def test_usage_errors_are_one_line(tmp_models, capsys, extra, code_want, pattern):
+    import re
+
+    tdir, ddir = tmp_models("qwen3")
+    code, out, err = run(
+        ["generate", "--target", str(tdir), "--drafter", str(ddir), "--max-new-tokens", "4", *extra], capsys
+    )
+    assert code == code_want
+    assert re.search(pattern, err), err
+    assert out == ""
+    assert "Traceback" not in err
+
+
+def test_pair_errors(tmp_path, tmp_models, capsys):
+    from dflash_trt.engine.checkpoint import save_drafter
+    from tests.conftest import make_drafter, make_target
+
+    tdir, _ = tmp_models("qwen3")
+    other = make_target("qwen3", hidden_size=40, head_dim=10)
+    save_drafter(make_drafter(other), tmp_path / "wrong")
+    code, _, err = run(
+        [
+            "generate",
+            "--target",
+            str(tdir),
+            "--drafter",
+            str(tmp_path / "wrong"),
+            "--prompt-ids",
+            "1",
+            "--max-new-tokens",
+            "2",
+        ],
+        capsys,
+    )
+    assert code == 2 and "drafter.hidden_size=40: does not match the target's hidden_size=48" in err
+    code, _, err = run(
+        ["generate", "--target", str(tdir), "--prompt-ids", "1", "--max-new-tokens", "2"], capsys
+    )
+    assert code == 2 and "no drafter for --target" in err and "--no-draft" in err
+    code, _, err = run(
+        ["generate", "--target", "no-such-model", "--prompt-ids", "1", "--max-new-tokens", "2"], capsys
+    )
+    assert code == 2 and "neither a known model name nor a directory" in err
+
+
+def test_cuda_requested_without_cuda(tmp_models, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    tdir, _ = tmp_models("qwen3")
+    code, _, err = run(
+        [
+            "generate",
+            "--target",
+            str(tdir),
+            "--no-draft",
+            "--prompt-ids",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cuda",
+        ],
+        capsys,
+    )
+    assert code == 3 and "CUDA is not available" in err
