@@ -1,0 +1,329 @@
+{{/*
+The pod template shared by the Deployment (role `server`) and the LeaderWorkerSet (roles
+`leader` and `worker`). Call with (dict "root" $ "role" "<role>").
+*/}}
+{{- define "dflash-trt.podTemplate" -}}
+{{- $root := .root -}}
+{{- $role := .role -}}
+{{- $v := $root.Values -}}
+{{- $gpus := include "dflash-trt.gpusPerPod" $root | int -}}
+metadata:
+  labels:
+    {{- include "dflash-trt.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ $role }}
+    {{- with $v.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    {{- if $v.bundle.name }}
+    dflash-trt/bundle: {{ $v.bundle.name | quote }}
+    {{- end }}
+    dflash-trt/backend: {{ $v.backend | quote }}
+    {{- if and $v.metrics.podAnnotations (ne $role "worker") }}
+    prometheus.io/scrape: "true"
+    prometheus.io/port: "8002"
+    prometheus.io/path: /metrics
+    {{- end }}
+    {{- with $v.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "dflash-trt.serviceAccountName" $root }}
+  automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $v.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ int $v.terminationGracePeriodSeconds }}
+  {{- with $v.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with include "dflash-trt.affinity" $root }}
+  affinity:
+    {{- . | nindent 4 }}
+  {{- end }}
+  {{- with include "dflash-trt.tolerations" $root }}
+  tolerations:
+    {{- . | nindent 4 }}
+  {{- end }}
+  {{- with $v.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if $v.modelInit.enabled }}
+  initContainers:
+    - name: model-init
+      {{- if $v.modelInit.image.repository }}
+      image: {{ include "dflash-trt.image" (dict "repository" $v.modelInit.image.repository "tag" ($v.modelInit.image.tag | default $v.image.tag) "digest" "") }}
+      {{- else }}
+      image: {{ include "dflash-trt.image" $v.image }}
+      {{- end }}
+      imagePullPolicy: {{ $v.modelInit.image.pullPolicy }}
+      {{- $marker := printf "%s/.dflash-trt-init-%s.done" (trimSuffix "/" $v.bundle.mountPath) (include "dflash-trt.initFingerprint" $root) }}
+      command:
+        - /bin/sh
+        - -c
+        - |
+          set -eu
+          marker={{ squote $marker }}
+          if [ -f "$marker" ]; then
+            echo "model-init: $marker exists, the volume is ready"
+            exit 0
+          fi
+          {{- if eq $v.modelInit.mode "download" }}
+          {{- range $v.modelInit.download.repos }}
+          echo "model-init: downloading {{ .repo }}"
+          hf download {{ squote .repo }}{{ with .revision }} --revision {{ squote . }}{{ end }}{{ with .localDir }} --local-dir {{ squote . }}{{ end }}
+          {{- end }}
+          {{- else }}
+          echo "model-init: dflash-trt build $*"
+          dflash-trt build "$@"
+          if [ ! -d {{ squote (include "dflash-trt.repositoryPath" $root) }} ]; then
+            echo "model-init: dflash-trt build wrote no {{ include "dflash-trt.repositoryPath" $root }}; fix: make modelInit.build.args write the bundle to {{ $v.bundle.mountPath }}" >&2
+            exit 1
+          fi
+          {{- end }}
+          touch "$marker"
+        - model-init
+      {{- if eq $v.modelInit.mode "build" }}
+      args:
+        {{- range $v.modelInit.build.args }}
+        - {{ . | quote }}
+        {{- end }}
+      {{- end }}
+      env:
+        {{- include "dflash-trt.commonEnv" $root | nindent 8 }}
+        {{- with $v.modelInit.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- $initRes := deepCopy ($v.modelInit.resources | default dict) }}
+      {{- if and $v.modelInit.useGpus (gt $gpus 0) }}
+      {{- $_ := set $initRes "limits" (merge (dict $v.gpu.resourceName $gpus) (get $initRes "limits" | default dict)) }}
+      {{- $_ = set $initRes "requests" (merge (dict $v.gpu.resourceName $gpus) (get $initRes "requests" | default dict)) }}
+      {{- end }}
+      {{- with $initRes }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: bundle
+          mountPath: {{ $v.bundle.mountPath }}
+          {{- with $v.storage.subPath }}
+          subPath: {{ . }}
+          {{- end }}
+  {{- end }}
+  containers:
+    - name: {{ ternary "worker" "triton" (eq $role "worker") }}
+      image: {{ include "dflash-trt.image" $v.image }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      {{- if eq $role "worker" }}
+      {{- if $v.multiNode.workerCommand }}
+      command:
+        {{- toYaml $v.multiNode.workerCommand | nindent 8 }}
+      {{- else }}
+      # Workers only host MPI ranks: mpirun on the leader reaches them through this sshd.
+      command:
+        - /bin/bash
+        - -c
+        - |
+          set -euo pipefail
+          install -d -m 700 /tmp/ssh
+          install -m 600 /etc/dflash-trt/ssh/id_ed25519 /tmp/ssh/host_key
+          exec /usr/sbin/sshd -D -e -p {{ int $v.multiNode.sshPort }} -h /tmp/ssh/host_key \
+            -o AuthorizedKeysFile=/etc/dflash-trt/ssh/authorized_keys -o StrictModes=no \
+            -o PasswordAuthentication=no -o KbdInteractiveAuthentication=no -o UsePAM=no \
+            -o PidFile=/tmp/ssh/sshd.pid
+      {{- end }}
+      {{- else if eq $role "leader" }}
+      {{- if $v.multiNode.leaderCommand }}
+      command:
+        {{- toYaml $v.multiNode.leaderCommand | nindent 8 }}
+      {{- else }}
+      # mpirun starts gpu.perNode ranks on every pod of the group; trtllm-llmapi-launch runs
+      # tritonserver on rank 0 and turns the other ranks into TensorRT-LLM workers.
+      command:
+        - /bin/bash
+        - -c
+        - |
+          set -euo pipefail
+          mpi_extra=()
+          while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do mpi_extra+=("$1"); shift; done
+          shift
+          install -d -m 700 /tmp/ssh
+          install -m 600 /etc/dflash-trt/ssh/id_ed25519 /tmp/ssh/id_ed25519
+          ssh_opts="-p {{ int $v.multiNode.sshPort }} -i /tmp/ssh/id_ed25519 -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+          leader="${LWS_LEADER_ADDRESS%%.*}"
+          domain="${LWS_LEADER_ADDRESS#*.}"
+          hosts="${LWS_LEADER_ADDRESS}:{{ int $v.gpu.perNode }}"
+          deadline=$((SECONDS + {{ int $v.multiNode.workerWaitSeconds }}))
+          for i in $(seq 1 $((LWS_GROUP_SIZE - 1))); do
+            host="${leader}-${i}.${domain}"
+            until ssh $ssh_opts "$host" true; do
+              if [ "$SECONDS" -ge "$deadline" ]; then
+                echo "leader: worker $host has no sshd on port {{ int $v.multiNode.sshPort }} after {{ int $v.multiNode.workerWaitSeconds }}s" >&2
+                exit 1
+              fi
+              sleep 5
+            done
+            hosts="${hosts},${host}:{{ int $v.gpu.perNode }}"
+          done
+          echo "leader: mpirun over $hosts"
+          exec mpirun --allow-run-as-root -np $((LWS_GROUP_SIZE * {{ int $v.gpu.perNode }})) -H "$hosts" \
+            --mca plm_rsh_args "$ssh_opts" \
+            -x PATH -x LD_LIBRARY_PATH -x HF_HOME{{ if $v.hfToken.secretName }} -x HF_TOKEN{{ end }} \
+            "${mpi_extra[@]}" \
+            trtllm-llmapi-launch tritonserver "$@"
+        - leader
+      args:
+        {{- range $v.multiNode.mpirunExtraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+        - "--"
+        {{- include "dflash-trt.tritonArgs" $root | nindent 8 }}
+      {{- end }}
+      {{- else if $v.server.command }}
+      command:
+        {{- toYaml $v.server.command | nindent 8 }}
+      {{- else }}
+      command:
+        - tritonserver
+      args:
+        {{- include "dflash-trt.tritonArgs" $root | nindent 8 }}
+      {{- end }}
+      env:
+        {{- include "dflash-trt.commonEnv" $root | nindent 8 }}
+        {{- with $v.server.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $v.server.envFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if eq $role "worker" }}
+      ports:
+        - name: ssh
+          containerPort: {{ int $v.multiNode.sshPort }}
+          protocol: TCP
+      readinessProbe:
+        tcpSocket:
+          port: ssh
+        periodSeconds: 10
+      livenessProbe:
+        tcpSocket:
+          port: ssh
+        periodSeconds: 30
+        failureThreshold: 4
+      {{- else }}
+      ports:
+        - name: http
+          containerPort: 8000
+          protocol: TCP
+        - name: grpc
+          containerPort: 8001
+          protocol: TCP
+        - name: metrics
+          containerPort: 8002
+          protocol: TCP
+      {{- with $v.probes.startup }}
+      # Liveness and readiness start only after this succeeds: a slow weights load is not a crash.
+      startupProbe:
+        httpGet:
+          path: /v2/health/ready
+          port: http
+        periodSeconds: {{ int .periodSeconds }}
+        timeoutSeconds: {{ int .timeoutSeconds }}
+        failureThreshold: {{ div (add (int .budgetSeconds) (int .periodSeconds) -1) (int .periodSeconds) }}
+      {{- end }}
+      {{- with $v.probes.readiness }}
+      readinessProbe:
+        httpGet:
+          path: /v2/health/ready
+          port: http
+        periodSeconds: {{ int .periodSeconds }}
+        timeoutSeconds: {{ int .timeoutSeconds }}
+        failureThreshold: {{ int .failureThreshold }}
+      {{- end }}
+      {{- with $v.probes.liveness }}
+      livenessProbe:
+        httpGet:
+          path: /v2/health/live
+          port: http
+        periodSeconds: {{ int .periodSeconds }}
+        timeoutSeconds: {{ int .timeoutSeconds }}
+        failureThreshold: {{ int .failureThreshold }}
+      {{- end }}
+      {{- end }}
+      {{- with include "dflash-trt.gpuResources" $root | fromYaml }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: bundle
+          mountPath: {{ $v.bundle.mountPath }}
+          {{- with $v.storage.subPath }}
+          subPath: {{ . }}
+          {{- end }}
+          {{- if $v.storage.readOnly }}
+          readOnly: true
+          {{- end }}
+        - name: dshm
+          mountPath: /dev/shm
+        {{- if $v.multiNode.enabled }}
+        - name: ssh
+          mountPath: /etc/dflash-trt/ssh
+          readOnly: true
+        {{- end }}
+        {{- with $v.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: bundle
+      {{- if eq $v.storage.type "emptyDir" }}
+      {{- if $v.storage.emptyDirSizeLimit }}
+      emptyDir:
+        sizeLimit: {{ $v.storage.emptyDirSizeLimit }}
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
+      {{- else }}
+      persistentVolumeClaim:
+        claimName: {{ include "dflash-trt.claimName" $root }}
+        {{- if $v.storage.readOnly }}
+        readOnly: true
+        {{- end }}
+      {{- end }}
+    # Triton's Python backend and NCCL exchange tensors through /dev/shm; the container
+    # runtime's 64 MiB default fails the first large request.
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $v.shm.sizeLimit }}
+    {{- if $v.multiNode.enabled }}
+    - name: ssh
+      secret:
+        secretName: {{ $v.multiNode.sshSecretName }}
+        defaultMode: 0400
+    {{- end }}
+    {{- with $v.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
