@@ -42,7 +42,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(TOOLS)/helm/helm
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck pytest
