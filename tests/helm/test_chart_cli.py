@@ -22,6 +22,16 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return int(info.value.code or 0), out, err
 
 
+@pytest.fixture(autouse=True)
+def _no_ambient_helm_binary(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    # DFLASH_TRT_HELM_BINARY is also --helm-binary's envvar: keep the SDK the default here
+    # (after the session's helm_binary fixture has read it).
+    if "helm_binary" in request.fixturenames:
+        request.getfixturevalue("helm_binary")
+    monkeypatch.delenv("DFLASH_TRT_HELM_BINARY", raising=False)
+    monkeypatch.delenv("DFLASH_TRT_CHART_DIR", raising=False)
+
+
 @pytest.fixture
 def bundle(tmp_path: Path) -> Path:
     """A bundle directory as `dflash-trt build` leaves it, as far as the chart cares."""
