@@ -1,0 +1,733 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One asyncio streaming client per protocol. All share one event loop and one contract:
+
+- `probe()` checks the server and the model before any timed work and returns a `ServerInfo`
+  (which optional inputs the model declares, how output length is controlled);
+- `prepare(prompt)` builds the request body up front (off the hot path);
+- `send(payload, raw)` streams one request and fills `raw` (times, server token counts, text,
+  speculative statistics). It never raises for a failed request: it sets `raw.error`.
+
+Protocols: `triton-http` (`/v2/models/{m}/generate_stream`, SSE), `triton-grpc` (KServe v2
+`ModelStreamInfer` through `tritonclient.grpc`'s protos on a `grpc.aio` channel: the aio client's
+`stream_infer` refuses the reserved `triton_enable_empty_final_response` parameter, so requests
+are built here), `openai-completions` and `openai-chat` (SSE with `stream_options`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_trt.bench.metrics import RawResult
+from dflash_trt.bench.workload import Prompt
+from dflash_trt.errors import DFlashTrtError, UsageError
+
+PROTOCOLS = ("triton-grpc", "triton-http", "openai-completions", "openai-chat")
+
+# Speculative / timing outputs of the Triton model, copied per response into RawResult.spec.
+SPEC_OUTPUTS = (
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "mean_acceptance_length",
+    "num_rounds",
+    "arrival_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+)
+
+# The datatypes of the contract (used when the server's model metadata cannot be read).
+CONTRACT_INPUTS: dict[str, str] = {
+    "text_input": "BYTES",
+    "streaming": "BOOL",
+    "sampling_param_max_tokens": "INT32",
+    "sampling_param_temperature": "FP32",
+    "sampling_param_top_p": "FP32",
+    "sampling_param_top_k": "INT32",
+    "sampling_param_seed": "UINT64",
+    "sampling_param_return_perf_metrics": "BOOL",
+    "return_finish_reason": "BOOL",
+}
+OUR_INPUTS = {
+    "sampling_param_ignore_eos": "BOOL",
+    "sampling_param_min_tokens": "INT32",
+    "streaming_delta": "BOOL",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = True  # fixed output length where the server supports it
+    thinking: bool = False  # openai-chat: chat_template_kwargs.enable_thinking
+    extra: tuple[tuple[str, Any], ...] = ()  # --extra-inputs, merged into every request
+
+
+@dataclass
+class ServerInfo:
+    protocol: str
+    url: str
+    model: str
+    server: dict[str, Any] | None = None
+    model_inputs: dict[str, str] | None = None
+    model_outputs: list[str] | None = None
+    output_length_control: str = "none"
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "protocol": self.protocol,
+            "url": self.url,
+            "model": self.model,
+            "server": self.server,
+            "model_inputs": self.model_inputs,
+            "model_outputs": self.model_outputs,
+            "output_length_control": self.output_length_control,
+            "notes": self.notes,
+        }
+
+
+def _one(v: Any) -> Any:
+    """One-element outputs arrive as x or [x] in Triton's HTTP JSON."""
+    if isinstance(v, list):
+        return v[0] if v else None
+    return v
+
+
+def _unreachable(url: str, exc: BaseException, default_port: str) -> DFlashTrtError:
+    return DFlashTrtError(
+        f"cannot reach the server at --url={url} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+        hint=f"start the server or fix --url ({default_port})",
+    )
+
+
+class Client:
+    protocol = ""
+
+    def __init__(
+        self, url: str, model: str, sampling: Sampling, *, request_timeout_s: float, max_streams: int
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.sampling = sampling
+        self.request_timeout_s = request_timeout_s
+        self.max_streams = max(1, max_streams)
+        self.info = ServerInfo(protocol=self.protocol, url=self.url, model=model)
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def probe(self) -> ServerInfo:
+        raise NotImplementedError
+
+    def prepare(self, prompt: Prompt) -> Any:
+        raise NotImplementedError
+
+    async def send(self, payload: Any, raw: RawResult) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Client:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# ---------------------------------------------------------------------------------------- HTTP
+async def iter_sse(content: Any) -> AsyncIterator[tuple[float, bytes]]:
+    """Server-sent events from an aiohttp stream: (arrival time, data) per event.
+
+    Reads whatever bytes arrived (no line-length limit: accumulated text can be long); events
+    that arrive in one read share its arrival time.
+    """
+    buf = bytearray()
+    data: list[bytes] = []
+    async for block in content.iter_any():
+        t = time.perf_counter()
+        buf += block
+        start = 0
+        while True:
+            nl = buf.find(b"\n", start)
+            if nl < 0:
+                break
+            line = bytes(buf[start:nl]).rstrip(b"\r")
+            start = nl + 1
+            if not line:
+                if data:
+                    yield t, b"\n".join(data)
+                    data = []
+            elif line.startswith(b"data:"):
+                data.append(line[5:].lstrip(b" "))
+        del buf[:start]
+    tail = bytes(buf).strip()
+    if tail.startswith(b"data:"):
+        data.append(tail[5:].lstrip(b" "))
+    if data:
+        yield time.perf_counter(), b"\n".join(data)
+
+
+class _HttpClient(Client):
+    default_port = "Triton HTTP listens on 8000 by default"
+
+    async def open(self) -> None:
+        import aiohttp
+
+        # limit=0: no connection cap (aiohttp's default of 100 queues requests above 100 streams)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self._aiohttp = aiohttp
+
+    async def close(self) -> None:
+        session = getattr(self, "_session", None)
+        if session is not None:
+            await session.close()
+
+    async def _get(self, path: str) -> tuple[int, Any]:
+        try:
+            async with self._session.get(self.url + path) as resp:
+                text = await resp.text()
+                try:
+                    body = json.loads(text) if text else None
+                except json.JSONDecodeError:
+                    body = text
+                return resp.status, body
+        except (self._aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _unreachable(self.url, exc, self.default_port) from exc
+
+    async def _stream(self, path: str, payload: bytes, raw: RawResult) -> AsyncIterator[tuple[float, Any]]:
+        """POST and yield (time, parsed event); errors land in raw.error."""
+        raw.send_t = time.perf_counter()
+        try:
+            async with self._session.post(
+                self.url + path, data=payload, headers={"Content-Type": "application/json"}
+            ) as resp:
+                if resp.status != 200:
+                    body = (await resp.text())[:300]
+                    raw.error = f"HTTP {resp.status}: {body}"
+                    raw.done_t = time.perf_counter()
+                    return
+                async for t, data in iter_sse(resp.content):
+                    if data == b"[DONE]":
+                        break
+                    try:
+                        obj = json.loads(data)
+                    except json.JSONDecodeError:
+                        raw.error = f"bad SSE data: {data[:200]!r}"
+                        break
+                    if isinstance(obj, dict) and obj.get("error"):
+                        err = obj["error"]
+                        raw.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                        break
+                    yield t, obj
+        except (self._aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raw.error = f"{type(exc).__name__}: {exc}"[:300]
+        raw.done_t = time.perf_counter()
+
+
+class TritonHttpClient(_HttpClient):
+    protocol = "triton-http"
+
+    async def probe(self) -> ServerInfo:
+        info = self.info
+        status, body = await self._get("/v2/health/ready")
+        if status != 200:
+            info.notes.append(f"/v2/health/ready answered HTTP {status}")
+        status, body = await self._get("/v2")
+        info.server = body if status == 200 and isinstance(body, dict) else None
+        status, body = await self._get(f"/v2/models/{self.model}")
+        if status == 200 and isinstance(body, dict):
+            info.model_inputs = {t["name"]: t.get("datatype", "") for t in body.get("inputs", [])}
+            info.model_outputs = [t["name"] for t in body.get("outputs", [])]
+        elif status in (400, 404):
+            raise UsageError(
+                f"--model={self.model!r}: the server at {self.url} does not serve it ({_err_text(body)})",
+                hint="pass --model with a model the server loaded (Triton: GET /v2/repository/index lists them)",
+            )
+        else:
+            info.notes.append(
+                f"model metadata unavailable (HTTP {status}); sending the contract's NVIDIA inputs only"
+            )
+        self._inputs = _triton_inputs(info, self.sampling)
+        return info
+
+    def prepare(self, prompt: Prompt) -> bytes:
+        body = {
+            name: value for name, (_, value) in _triton_values(self._inputs, prompt, self.sampling).items()
+        }
+        return json.dumps(body).encode()
+
+    async def send(self, payload: bytes, raw: RawResult) -> None:
+        delta = self._inputs.get("streaming_delta") is not None
+        async for t, obj in self._stream(f"/v2/models/{self.model}/generate_stream", payload, raw):
+            text = _one(obj.get("text_output"))
+            count = _one(obj.get("num_output_tokens"))
+            if isinstance(text, list):  # defensive: nested lists
+                text = text[0] if text else ""
+            if count is not None:
+                count = int(count)
+                raw.count_source = "num_output_tokens"
+            if delta:
+                raw.add_delta(t, count, text or "")
+            else:
+                raw.add_accumulated(t, count, text or "")
+            nin = _one(obj.get("num_input_tokens"))
+            if nin is not None:
+                raw.input_tokens_server = int(nin)
+            fr = _one(obj.get("finish_reason"))
+            if fr:
+                raw.finish_reason = str(fr)
+            for key in SPEC_OUTPUTS:
+                v = _one(obj.get(key))
+                if v is not None:
+                    raw.spec[key] = float(v)
+
+
+def _err_text(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:200]
+    return str(body)[:200]
+
+
+def _triton_inputs(info: ServerInfo, sampling: Sampling) -> dict[str, str | None]:
+    """Input name -> datatype for every optional input we will send (None = not sent).
+
+    Only inputs the model declares are sent: Triton rejects undeclared inputs, and NVIDIA's
+    model lacks our additions (ignore_eos, min_tokens, streaming_delta).
+    """
+    declared = info.model_inputs
+    if declared is None:
+        declared = dict(CONTRACT_INPUTS)
+    chosen: dict[str, str | None] = {}
+    for name in (*CONTRACT_INPUTS, *OUR_INPUTS):
+        chosen[name] = declared.get(name)
+    if sampling.ignore_eos:
+        if chosen["sampling_param_ignore_eos"]:
+            info.output_length_control = "sampling_param_ignore_eos"
+            chosen["sampling_param_min_tokens"] = None
+        elif chosen["sampling_param_min_tokens"]:
+            info.output_length_control = "sampling_param_min_tokens = max_tokens"
+        else:
+            info.output_length_control = (
+                "none: the model declares neither ignore_eos nor min_tokens; actual lengths are reported"
+            )
+    else:
+        info.output_length_control = "natural EOS (--no-ignore-eos)"
+        chosen["sampling_param_ignore_eos"] = chosen["sampling_param_min_tokens"] = None
+    for key, _ in sampling.extra:
+        if key not in declared:
+            raise UsageError(
+                f"--extra-inputs: the model does not declare an input named {key!r}",
+                hint=f"declared inputs: {', '.join(sorted(declared))}",
+            )
+        chosen[key] = declared[key]
+    if chosen["text_input"] is None or chosen["sampling_param_max_tokens"] is None:
+        raise UsageError(
+            f"--model={info.model!r} declares no text_input / sampling_param_max_tokens input: it is not an llmapi-style model",
+            hint="point --model at the llmapi `tensorrt_llm` model (or use --protocol openai-completions)",
+        )
+    return chosen
+
+
+def _triton_values(inputs: dict[str, str | None], prompt: Prompt, s: Sampling) -> dict[str, tuple[str, Any]]:
+    """name -> (datatype, value) of one request's inputs."""
+    if prompt.text is None:
+        raise UsageError("Triton protocols need prompt text", hint="use --tokenizer with chat datasets")
+    want: dict[str, Any] = {
+        "text_input": prompt.text,
+        "streaming": True,
+        "sampling_param_max_tokens": prompt.output_tokens,
+        "sampling_param_temperature": s.temperature,
+        "sampling_param_top_p": s.top_p,
+        "sampling_param_top_k": s.top_k,
+        "sampling_param_seed": s.seed,
+        "sampling_param_return_perf_metrics": True,
+        "return_finish_reason": True,
+        "sampling_param_ignore_eos": True,
+        "sampling_param_min_tokens": prompt.output_tokens,
+        "streaming_delta": True,
+    }
+    want.update(dict(s.extra))
+    return {
+        name: (dtype, want[name])
+        for name, dtype in inputs.items()
+        if dtype is not None and want.get(name) is not None
+    }
+
+
+# ---------------------------------------------------------------------------------------- gRPC
+_STRUCT = {
+    "BOOL": "<?",
+    "INT32": "<i",
+    "UINT32": "<I",
+    "INT64": "<q",
+    "UINT64": "<Q",
+    "FP32": "<f",
+    "FP64": "<d",
+}
+
+
+def _raw_tensor(datatype: str, value: Any) -> bytes:
+    import struct
+
+    if datatype == "BYTES":
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return struct.pack("<I", len(data)) + data
+    if datatype in ("FP32", "FP64"):
+        return struct.pack(_STRUCT[datatype], float(value))
+    if datatype == "BOOL":
+        return struct.pack("<?", bool(value))
+    return struct.pack(_STRUCT[datatype], int(value))
+
+
+def _decode_first(datatype: str, raw: bytes) -> Any:
+    import struct
+
+    if not raw:
+        return None
+    if datatype == "BYTES":
+        (n,) = struct.unpack_from("<I", raw)
+        return raw[4 : 4 + n].decode("utf-8", errors="replace")
+    fmt = _STRUCT.get(datatype)
+    return struct.unpack_from(fmt, raw)[0] if fmt else None
+
+
+_CONTENT_FIELDS = {
+    "BOOL": "bool_contents",
+    "INT32": "int_contents",
+    "UINT32": "uint_contents",
+    "INT64": "int64_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def _output_value(resp: Any, i: int, out: Any) -> Any:
+    """First element of output i of a ModelInferResponse (raw contents, or typed contents)."""
+    raws = resp.raw_output_contents
+    if i < len(raws):
+        return _decode_first(out.datatype, raws[i])
+    field_name = _CONTENT_FIELDS.get(out.datatype)
+    seq = getattr(out.contents, field_name) if field_name else []
+    v = seq[0] if seq else None
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
+
+
+class TritonGrpcClient(Client):
+    protocol = "triton-grpc"
+    streams_per_channel = 100  # HTTP/2 servers often cap concurrent streams per connection at 100
+
+    def _target(self) -> str:
+        url = self.url
+        for prefix in ("grpc://", "http://"):
+            if url.startswith(prefix):
+                url = url[len(prefix) :]
+        return url
+
+    async def open(self) -> None:
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        self._grpc = grpc
+        self._pb = service_pb2
+        n = max(1, math.ceil(self.max_streams / self.streams_per_channel))
+        opts = [
+            ("grpc.max_send_message_length", 2**31 - 1),
+            ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.use_local_subchannel_pool", 1),  # one connection per channel
+        ]
+        self._channels = [grpc.aio.insecure_channel(self._target(), options=opts) for _ in range(n)]
+        self._stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in self._channels]
+        self._next = 0
+        self._idle: list[_GrpcStream] = []
+
+    async def close(self) -> None:
+        for stream in getattr(self, "_idle", []):
+            stream.close()
+        for c in getattr(self, "_channels", []):
+            await c.close()
+
+    async def probe(self) -> ServerInfo:
+        info, pb, grpc, stub = self.info, self._pb, self._grpc, self._stubs[0]
+        try:
+            ready = await stub.ServerReady(pb.ServerReadyRequest(), timeout=15)
+            if not ready.ready:
+                info.notes.append("ServerReady answered ready=false")
+            meta = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=15)
+            info.server = {"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
+        except grpc.aio.AioRpcError as exc:
+            raise _unreachable(
+                self.url, exc, "Triton gRPC listens on 8001 by default; pass host:port"
+            ) from exc
+        try:
+            md = await stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model), timeout=15)
+            info.model_inputs = {t.name: t.datatype for t in md.inputs}
+            info.model_outputs = [t.name for t in md.outputs]
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNAVAILABLE,
+            ):
+                raise UsageError(
+                    f"--model={self.model!r}: the server at {self.url} does not serve it ({exc.details()})",
+                    hint="pass --model with a model the server loaded",
+                ) from exc
+            info.notes.append(
+                f"model metadata unavailable ({exc.code().name}); sending the contract's NVIDIA inputs only"
+            )
+        self._inputs = _triton_inputs(info, self.sampling)
+        return info
+
+    def prepare(self, prompt: Prompt) -> Any:
+        req = self._pb.ModelInferRequest(model_name=self.model, id=str(prompt.index))
+        for name, (dtype, value) in _triton_values(self._inputs, prompt, self.sampling).items():
+            req.inputs.add(name=name, datatype=dtype, shape=[1])
+            req.raw_input_contents.append(_raw_tensor(dtype, value))
+        # one empty final response at worst; the last response carries triton_final_response=true
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+        return req
+
+    async def _acquire(self) -> _GrpcStream:
+        if self._idle:
+            return self._idle.pop()
+        stub = self._stubs[self._next % len(self._stubs)]
+        self._next += 1
+        return _GrpcStream(stub)
+
+    async def send(self, payload: Any, raw: RawResult) -> None:
+        stream = await self._acquire()
+        reusable = False
+        try:
+            reusable = await asyncio.wait_for(self._exchange(stream, payload, raw), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raw.error = f"timed out after {self.request_timeout_s:g} s"
+        except self._grpc.aio.AioRpcError as exc:
+            raw.error = f"gRPC {exc.code().name}: {exc.details()}"[:300]
+        except StopAsyncIteration:
+            raw.error = "the server closed the stream before the final response"
+        finally:
+            if reusable:
+                self._idle.append(stream)
+            else:
+                stream.close()
+        if raw.done_t is None:
+            raw.done_t = time.perf_counter()
+
+    async def _exchange(self, stream: _GrpcStream, payload: Any, raw: RawResult) -> bool:
+        """One request on a stream; True when it ended cleanly (final flag) so the stream is reusable."""
+        delta = self._inputs.get("streaming_delta") is not None
+        stats_resp = None  # the latest response carrying outputs beyond text and count
+        raw.send_t = time.perf_counter()
+        stream.write(payload)
+        while True:
+            sresp = await stream.read()
+            t = time.perf_counter()
+            if sresp.error_message:
+                raw.error = sresp.error_message[:300]
+                # Triton ends a failed request with this response; no final flag follows on its own
+                return False
+            r = sresp.infer_response
+            outputs = r.outputs
+            if outputs:
+                # hot path: decode only the text and the token count; the rest once, at the end
+                text, count = "", None
+                for i, out in enumerate(outputs):
+                    name = out.name
+                    if name == "text_output":
+                        text = _output_value(r, i, out) or ""
+                    elif name == "num_output_tokens":
+                        count = _output_value(r, i, out)
+                if count is not None:
+                    count = int(count)
+                    raw.count_source = "num_output_tokens"
+                if delta:
+                    raw.add_delta(t, count, text)
+                else:
+                    raw.add_accumulated(t, count, text)
+                if len(outputs) > 2:
+                    stats_resp = r
+            final = r.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                raw.done_t = t
+                break
+        if stats_resp is not None:
+            values = {out.name: _output_value(stats_resp, i, out) for i, out in enumerate(stats_resp.outputs)}
+            if values.get("num_input_tokens") is not None:
+                raw.input_tokens_server = int(values["num_input_tokens"])
+            if values.get("finish_reason"):
+                raw.finish_reason = str(values["finish_reason"])
+            for key in SPEC_OUTPUTS:
+                if values.get(key) is not None:
+                    raw.spec[key] = float(values[key])
+        return True
+
+
+class _GrpcStream:
+    """A long-lived `ModelStreamInfer` stream carrying one request at a time.
+
+    A closed-loop slot keeps its stream, so a request costs one message, not one RPC set-up.
+    Requests never overlap on a stream, so every response belongs to the request in flight.
+    """
+
+    def __init__(self, stub: Any) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._call = stub.ModelStreamInfer(self._requests())
+        self._responses = self._call.__aiter__()
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    def write(self, request: Any) -> None:
+        self._queue.put_nowait(request)
+
+    async def read(self) -> Any:
+        return await self._responses.__anext__()
+
+    def close(self) -> None:
+        self._queue.put_nowait(None)
+        self._call.cancel()
+
+
+# ---------------------------------------------------------------------------------------- OpenAI
+class OpenAIClient(_HttpClient):
+    protocol = "openai-completions"
+    path = "/v1/completions"
+    default_port = "the OpenAI base URL, e.g. http://host:8000 or http://host:8000/v1"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.url.endswith("/v1"):
+            self.url = self.url[: -len("/v1")]
+
+    async def probe(self) -> ServerInfo:
+        info = self.info
+        status, body = await self._get("/v1/models")
+        if status == 200 and isinstance(body, dict):
+            ids = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+            info.server = {"models": ids}
+            if ids and self.model not in ids:
+                raise UsageError(
+                    f"--model={self.model!r}: the server at {self.url} serves {', '.join(map(str, ids))}",
+                    hint="pass --model with one of those names",
+                )
+        else:
+            info.notes.append(f"GET /v1/models answered HTTP {status}")
+        info.output_length_control = (
+            "ignore_eos + min_tokens extra body keys"
+            if self.sampling.ignore_eos
+            else "natural EOS (--no-ignore-eos)"
+        )
+        return info
+
+    def _body(self, prompt: Prompt) -> dict[str, Any]:
+        s = self.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": prompt.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "temperature": s.temperature,
+        }
+        if s.top_p is not None:
+            body["top_p"] = s.top_p
+        if s.top_k is not None:
+            body["top_k"] = s.top_k
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+            body["min_tokens"] = prompt.output_tokens
+        return body
+
+    def prepare(self, prompt: Prompt) -> bytes:
+        body = self._body(prompt)
+        if prompt.text is None:
+            raise UsageError(
+                "openai-completions needs prompt text", hint="use --protocol openai-chat for messages"
+            )
+        body["prompt"] = prompt.text
+        body.update(dict(self.sampling.extra))
+        return json.dumps(body).encode()
+
+    def _piece(self, choice: dict[str, Any]) -> str:
+        return str(choice.get("text") or "")
+
+    async def send(self, payload: bytes, raw: RawResult) -> None:
+        async for t, obj in self._stream(self.path, payload, raw):
+            choices = obj.get("choices") or []
+            piece = ""
+            if choices:
+                piece = self._piece(choices[0])
+                fr = choices[0].get("finish_reason")
+                if fr:
+                    raw.finish_reason = str(fr)
+            usage = obj.get("usage")
+            count = None
+            if isinstance(usage, dict):
+                if usage.get("completion_tokens") is not None:
+                    count = int(usage["completion_tokens"])
+                    raw.count_source = "usage"
+                if usage.get("prompt_tokens") is not None:
+                    raw.input_tokens_server = int(usage["prompt_tokens"])
+            raw.add_delta(t, count, piece)
+
+
+class OpenAIChatClient(OpenAIClient):
+    protocol = "openai-chat"
+    path = "/v1/chat/completions"
+
+    def prepare(self, prompt: Prompt) -> bytes:
+        body = self._body(prompt)
+        if prompt.messages is None:
+            raise UsageError(
+                "openai-chat needs messages", hint="this is a bug: the workload built no messages"
+            )
+        body["messages"] = list(prompt.messages)
+        body["chat_template_kwargs"] = {"enable_thinking": self.sampling.thinking}
+        body.update(dict(self.sampling.extra))
+        return json.dumps(body).encode()
+
+    def _piece(self, choice: dict[str, Any]) -> str:
+        delta = choice.get("delta") or {}
+        # reasoning text is output too (its tokens are in usage.completion_tokens)
+        return str(delta.get("reasoning_content") or delta.get("reasoning") or "") + str(
+            delta.get("content") or ""
+        )
+
+
+def make_client(
+    protocol: str, url: str, model: str, sampling: Sampling, *, request_timeout_s: float, max_streams: int
+) -> Client:
+    classes: dict[str, type[Client]] = {
+        "triton-http": TritonHttpClient,
+        "triton-grpc": TritonGrpcClient,
+        "openai-completions": OpenAIClient,
+        "openai-chat": OpenAIChatClient,
+    }
+    if protocol not in classes:
+        raise UsageError(f"--protocol={protocol!r}: unknown", hint=f"pick one of {', '.join(PROTOCOLS)}")
+    return classes[protocol](
+        url, model, sampling, request_timeout_s=request_timeout_s, max_streams=max_streams
+    )

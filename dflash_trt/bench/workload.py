@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Workloads: prompts with exact input token counts, prepared before the timed phase.
+
+- **Synthetic**: random in-vocabulary token ids, decoded to text and re-encoded until the
+  prompt (after the chat template, when one is used) is exactly the requested number of tokens
+  for the model's tokenizer. Random prompts make drafters guess badly: such runs are labelled
+  `sd_realistic: false` in summary.json.
+- **JSONL**: one object per line with `prompt` (or `text`) or `messages`, and optionally
+  `output_tokens` (or `max_tokens`, `osl`).
+- **Chat**: `--chat` wraps each prompt in the tokenizer's chat template (thinking off unless
+  `--thinking`); `openai-chat` always sends messages and counts the templated prompt.
+
+Token counts: a plain prompt is counted as the server would tokenise it (special tokens such as
+BOS added); a chat-templated prompt is counted without adding special tokens again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.errors import DFlashTrtError, UsageError
+
+_MAX_FIT_ITERS = 40
+_MAX_FIT_RESTARTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prepared request body's content."""
+
+    index: int
+    text: str | None  # what completion-style endpoints get (chat template applied when --chat)
+    messages: tuple[dict[str, str], ...] | None  # what openai-chat gets
+    input_tokens: int | None  # the client's count (None without a tokenizer)
+    output_tokens: int  # max tokens requested
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    isl: int | None = None
+    osl: int | None = None
+    range_ratio: float = 1.0  # per-request ISL/OSL drawn uniformly from [ratio * n, n]
+    dataset: str | None = None
+    chat: bool = False
+    thinking: bool = False
+    seed: int = 0
+
+    def describe(self, tokenizer_name: str | None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "kind": "jsonl" if self.dataset else "synthetic",
+            "isl": self.isl,
+            "osl": self.osl,
+            "range_ratio": self.range_ratio,
+            "dataset": self.dataset,
+            "chat_template": self.chat,
+            "thinking": self.thinking if self.chat else None,
+            "seed": self.seed,
+            "tokenizer": tokenizer_name,
+        }
+        if self.dataset:
+            d["dataset_sha256"] = _sha256(Path(self.dataset))
+            d["sd_realistic"] = None  # depends on the prompts
+        else:
+            d["sd_realistic"] = False  # random token ids: acceptance is unrepresentative
+        return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_tokenizer(name_or_dir: str) -> Any:
+    """A Hugging Face tokenizer by hub name or directory; `tiny` is the embedded tiny model's."""
+    if name_or_dir == "tiny":
+        from dflash_trt.tiny import ensure_tiny
+
+        name_or_dir = str(ensure_tiny().target)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - transformers is in the torch extra
+        raise UsageError(
+            "--tokenizer needs the `transformers` package", hint="pip install 'dflash-trt[torch]'"
+        ) from exc
+    try:
+        return AutoTokenizer.from_pretrained(name_or_dir)
+    except Exception as exc:
+        raise UsageError(
+            f"--tokenizer={name_or_dir!r}: cannot load a tokenizer ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+            hint="pass a local tokenizer directory or a Hugging Face model name that is reachable",
+        ) from exc
+
+
+def _content_ids(tokenizer: Any) -> list[int]:
+    """Non-special ids that survive decode -> encode on their own (no partial UTF-8 pieces).
+
+    Sampling only these makes the decode/encode fitting loop converge quickly.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    texts = tokenizer.batch_decode(
+        [[i] for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    clean = [i for i, t, e in zip(ids, texts, encoded) if t and "\ufffd" not in t and list(e) == [i]]
+    if not clean:
+        raise UsageError(
+            "the tokenizer has no token that round-trips through decode/encode",
+            hint="pass a real --tokenizer",
+        )
+    return clean
+
+
+class PromptSource:
+    """Deterministic prompt i for every i (same seed, same prompts: DFlash and AR see one workload)."""
+
+    def __init__(self, spec: WorkloadSpec, tokenizer: Any | None, *, protocol: str) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.chat = spec.chat or protocol == "openai-chat"
+        self.send_messages = protocol == "openai-chat"
+        self._cache: dict[tuple[str, int], Prompt] = {}
+        self._records: list[dict[str, Any]] | None = None
+        self._vocab: list[int] | None = None
+        if spec.dataset is not None:
+            self._records = _read_jsonl(Path(spec.dataset))
+        elif tokenizer is None:
+            raise UsageError(
+                "synthetic prompts (--isl) need --tokenizer", hint="pass --tokenizer NAME_OR_DIR"
+            )
+        if self.chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+            raise UsageError(
+                "--chat (or --protocol openai-chat) needs a tokenizer with a chat template, and this one has none",
+                hint="pass --tokenizer of the served model (its tokenizer_config.json has chat_template), or drop --chat",
+            )
+
+    # ------------------------------------------------------------------ counting
+    def _render(self, content: str) -> str:
+        if not self.chat:
+            return content
+        assert self.tokenizer is not None
+        return str(
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=self.spec.thinking,
+            )
+        )
+
+    def _render_messages(self, messages: list[dict[str, str]]) -> str:
+        assert self.tokenizer is not None
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.spec.thinking
+            )
+        )
+
+    def count(self, text: str) -> int:
+        """Tokens of the prompt as the server sees it (see the module docstring)."""
+        assert self.tokenizer is not None
+        return len(self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"])
+
+    # ------------------------------------------------------------------ prompts
+    def get(self, i: int, *, stream: str = "") -> Prompt:
+        """Prompt i of a named stream (each stream is its own deterministic sequence)."""
+        p = self._cache.get((stream, i))
+        if p is None:
+            p = self._records_prompt(i, stream) if self._records is not None else self._synthetic(i, stream)
+            self._cache[(stream, i)] = p
+        return p
+
+    def _lengths(self, rng: random.Random) -> tuple[int | None, int | None]:
+        def draw(n: int | None) -> int | None:
+            if n is None or self.spec.range_ratio >= 1.0:
+                return n
+            return rng.randint(max(1, math.ceil(self.spec.range_ratio * n)), n)
+
+        return draw(self.spec.isl), draw(self.spec.osl)
+
+    def _synthetic(self, i: int, stream: str) -> Prompt:
+        rng = random.Random(f"dflash-trt-bench:{self.spec.seed}:{stream}:{i}")
+        isl, osl = self._lengths(rng)
+        assert isl is not None and osl is not None
+        content = self.fit(isl, rng)
+        text = self._render(content)
+        messages = ({"role": "user", "content": content},) if self.send_messages else None
+        return Prompt(index=i, text=text, messages=messages, input_tokens=isl, output_tokens=osl)
+
+    def fit(self, n: int, rng: random.Random) -> str:
+        """Content whose rendered prompt is exactly n tokens (decode/encode until it holds)."""
+        tok = self.tokenizer
+        assert tok is not None
+        if self._vocab is None:
+            self._vocab = _content_ids(tok)
+        overhead = self.count(self._render(""))
+        if n <= overhead:
+            raise UsageError(
+                f"--isl={n}: the prompt template alone takes {overhead} tokens",
+                hint=f"pass --isl larger than {overhead}",
+            )
+        for _ in range(_MAX_FIT_RESTARTS):
+            ids = rng.choices(self._vocab, k=n - overhead)
+            for _ in range(_MAX_FIT_ITERS):
+                content = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                diff = n - self.count(self._render(content))
+                if diff == 0:
+                    return content
+                ids = list(tok(content, add_special_tokens=False)["input_ids"])
+                if diff > 0:
+                    ids += rng.choices(self._vocab, k=diff)
+                else:
+                    ids = ids[: max(0, len(ids) + diff)]
+        raise DFlashTrtError(
+            f"could not build a prompt of exactly {n} tokens with this tokenizer",
+            hint="use a --dataset of real prompts, or another --isl",
+        )
+
+    def _records_prompt(self, i: int, stream: str) -> Prompt:
+        assert self._records is not None
+        # each stream starts at its own deterministic offset into the file
+        offset = (
+            int(hashlib.sha256(f"{self.spec.seed}:{stream}".encode()).hexdigest()[:8], 16) if stream else 0
+        )
+        rec = self._records[(offset + i) % len(self._records)]
+        osl = self.spec.osl
+        if osl is None:
+            osl = rec.get("output_tokens", rec.get("max_tokens", rec.get("osl")))
+        if osl is None:
+            raise UsageError(
+                f"--dataset={self.spec.dataset}: line {rec['_line']} has no output_tokens and --osl is not set",
+                hint="pass --osl N, or add output_tokens to every line",
+            )
+        if self.spec.osl is not None and self.spec.range_ratio < 1.0:
+            _, osl = self._lengths(random.Random(f"dflash-trt-bench:{self.spec.seed}:{stream}:{i}"))
+        messages: list[dict[str, str]] | None = rec.get("messages")
+        prompt: str | None = rec.get("prompt", rec.get("text"))
+        if messages is None:
+            assert prompt is not None
+            if self.chat:
+                messages = [{"role": "user", "content": prompt}]
+        if messages is not None:
+            if self.tokenizer is None:
+                if not self.send_messages:
+                    raise UsageError(
+                        f"--dataset={self.spec.dataset}: chat messages need --tokenizer to apply the chat template",
+                        hint="pass --tokenizer, or use --protocol openai-chat",
+                    )
+                text = None
+            else:
+                text = self._render_messages(messages)
+        else:
+            text = prompt
+        count = self.count(text) if (self.tokenizer is not None and text is not None) else None
+        return Prompt(
+            index=i,
+            text=text,
+            messages=tuple(messages) if (messages is not None and self.send_messages) else None,
+            input_tokens=count,
+            output_tokens=int(osl or 0),
+        )
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise UsageError(f"--dataset={path}: no such file", hint="pass a JSONL file of prompts")
+    records: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(
+                    f"--dataset={path}: line {lineno} is not JSON ({exc.msg})",
+                    hint="one JSON object per line",
+                ) from None
+            if not isinstance(rec, dict) or not (
+                isinstance(rec.get("prompt", rec.get("text")), str) or isinstance(rec.get("messages"), list)
+            ):
+                raise UsageError(
+                    f"--dataset={path}: line {lineno} has neither a string `prompt`/`text` nor a `messages` list",
+                    hint='each line looks like {"prompt": "...", "output_tokens": 256}',
+                )
+            rec["_line"] = lineno
+            records.append(rec)
+    if not records:
+        raise UsageError(f"--dataset={path}: the file holds no prompts", hint="add one JSON object per line")
+    return records
