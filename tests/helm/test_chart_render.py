@@ -384,3 +384,20 @@ def test_init_marker_changes_with_the_init_spec() -> None:
     first = marker(values)
     values["modelInit"]["download"]["repos"][1]["revision"] = "v2"
     assert marker(values) != first
+
+
+def test_kube_version_floor(helm_binary: Path) -> None:
+    """Chart.yaml's kubeVersion (>= 1.29) is enforced: autoscaling/v2, policy/v1 and the probes need it."""
+    values = CHART_DIR / "ci" / "tiny-cpu.values.yaml"
+    args = [str(helm_binary), "template", RELEASE, str(CHART_DIR), "-f", str(values), "--kube-version"]
+    old = subprocess.run([*args, "1.28.0"], capture_output=True, text=True, check=False)
+    assert old.returncode != 0 and "kubeVersion" in old.stderr
+    assert subprocess.run([*args, "1.29.0"], capture_output=True, text=True, check=False).returncode == 0
+
+
+def test_app_version_is_the_package_version() -> None:
+    from dflash_trt import __version__
+
+    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    assert deploy.DEFAULT_TORCH_IMAGE[1].startswith(__version__)
