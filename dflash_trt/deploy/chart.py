@@ -129,9 +129,9 @@ def shm_size_gib(*, gpus_per_pod: int) -> int:
 def startup_budget_seconds(*, weights_gb: float, gpu: bool) -> int:
     """Default startup-probe budget when the manifest has none.
 
-    Loading runs from a local volume at a few hundred MB/s per pod on network storage, plus
-    CUDA graph capture and warm-up; 20 s per GB on top of 10 minutes keeps a 65 GB
-    gpt-oss-120b (about 32 minutes) clear of the probe. CPU pods serve tiny models.
+    20 s per GB is 50 MB/s, the slow end of network volumes; the 10 minutes on top cover
+    process start, CUDA graph capture and warm-up. A 65 GB gpt-oss-120b gets 1900 s.
+    CPU pods serve small models.
     """
     if not gpu:
         return max(300, _round_up(60 + 10 * weights_gb, 10))
@@ -185,7 +185,12 @@ def helm_values_from_manifest(
         )
     gpus_per_pod = per_node if multi_node else count
 
-    weights_gb = float(serving.get("weights_gb") or 0.0)
+    raw_weights = serving.get("weights_gb") or 0.0
+    if isinstance(raw_weights, bool) or not isinstance(raw_weights, int | float):
+        raise ConfigError(
+            "manifest serving.weights_gb", raw_weights, "must be a number", hint="re-run `dflash-trt build`"
+        )
+    weights_gb = float(raw_weights)
     if weights_gb < 0:
         raise ConfigError(
             "manifest serving.weights_gb", weights_gb, "must be >= 0", hint="re-run `dflash-trt build`"
@@ -255,11 +260,13 @@ def helm_values_from_manifest(
     return values
 
 
-def write_helm_values(bundle_dir: Path, manifest: Mapping[str, Any], **kwargs: Any) -> Path:
+def write_helm_values(
+    bundle_dir: Path, manifest: Mapping[str, Any], *, build_args: Sequence[str] | None = None
+) -> Path:
     """Write `<bundle_dir>/helm-values.yaml` (atomically) and return its path."""
     from dflash_trt.utils.io import atomic_write_text, dump_yaml
 
-    values = helm_values_from_manifest(manifest, **kwargs)
+    values = helm_values_from_manifest(manifest, build_args=build_args)
     header = (
         f"# Helm values for bundle {manifest.get('name', '?')!s}, written by dflash-trt {__version__}.\n"
         "# Use: dflash-trt chart --bundle <this dir> --lint --render -   or   helm install -f this file.\n"

@@ -112,6 +112,7 @@ def test_startup_probe_covers_the_budget(budget: int | None, weights: float) -> 
         ({"gpu": {"count": 8, "per_node": 0}}, "manifest gpu.per_node"),
         ({"serving": {"image": "nvcr.io/nvidia/tritonserver"}}, "manifest serving.image"),
         ({"serving": {"startup_budget_s": -5}}, "manifest serving.startup_budget_s"),
+        ({"serving": {"weights_gb": "65 GB"}}, "manifest serving.weights_gb"),
         ({"gpu": ["count", 8]}, "manifest gpu"),
     ],
 )
