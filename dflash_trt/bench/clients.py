@@ -215,8 +215,7 @@ class _HttpClient(Client):
                 self.url + path, data=payload, headers={"Content-Type": "application/json"}
             ) as resp:
                 if resp.status != 200:
-                    body = (await resp.text())[:300]
-                    raw.error = f"HTTP {resp.status}: {body}"
+                    raw.error = f"HTTP {resp.status}: {_error_body(await resp.text())}"
                     raw.done_t = time.perf_counter()
                     return
                 async for t, data in iter_sse(resp.content):
@@ -293,6 +292,17 @@ class TritonHttpClient(_HttpClient):
                 v = _one(obj.get(key))
                 if v is not None:
                     raw.spec[key] = float(v)
+
+
+def _error_body(text: str) -> str:
+    """The message of an error body: JSON, or an SSE event (Triton answers a failed first response so)."""
+    body = text.strip()
+    if body.startswith("data:"):
+        body = body[5:].strip()
+    try:
+        return _err_text(json.loads(body))
+    except json.JSONDecodeError:
+        return body[:200]
 
 
 def _err_text(body: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -61,7 +62,39 @@ DEFINITIONS: dict[str, str] = {
     "client_cpu_us_per_output_token": "client_cpu_s * 1e6 / sum(output_tokens)",
     "client_cpu_us_per_chunk": "client_cpu_s * 1e6 / number of chunks",
     "client_loop_lag_p99_ms": "99th percentile of the event loop's wake-up delay, sampled every 10 ms during the measured phase",
+    "client_loop_lag_max_ms": "largest event-loop wake-up delay during the measured phase",
+    "client_cpu_util": "client_cpu_s / client_wall_s (1.0 = one core busy)",
+    "client_wall_s": "wall time of the measured phase as the client saw it",
+    "mean_tokens_per_chunk": "sum(tokens in chunks) / number of chunks (first chunks included)",
+    "num_requests": "measured requests (warm-up excluded), errors included",
+    "num_completed": "measured requests that succeeded",
+    "num_errors": "measured requests that failed (HTTP/gRPC error, error event, timeout, no output token); never fatal",
+    "errors": "the most frequent error messages with their counts",
+    "num_chunks": "chunks received by successful requests",
+    "num_requests_with_spec_stats": "successful requests whose acceptance length is known",
+    "output_tokens_total": "sum(output_tokens) of successful requests",
+    "input_tokens_total": "sum(input_tokens) of successful requests",
+    "output_tokens_mean": "output_tokens_total / num_completed",
+    "input_tokens_mean": "input_tokens_total / successful requests with a known input count",
+    "output_tokens_source": "where output tokens were counted: num_output_tokens | usage | retokenized (with counts per source when mixed)",
+    "input_tokens_source": "where input tokens were counted: server | client tokenizer",
+    "mean_acceptance_length_source": "which of the two tau aggregates mean_acceptance_length holds",
+    "intended_concurrency": "the closed-loop target (request-rate mode: the --max-concurrency gate, or null)",
+    "achieved_request_rate": "request-rate mode: (measured requests - 1) / (last send - first send)",
+    "warmup": "the warm-up phase, reported apart: requests, errors, duration_s, ttft_p50_s, tpot_p50_s",
 }
+
+_STAT = re.compile(r"_(mean|p\d+(?:_\d+)?)(?=(_s)?$)")
+
+
+def definition_for(key: str) -> str | None:
+    """The definition of a point key: exact, or of its family (ttft_p90_s -> ttft_s, ..._p50 -> ..._pX)."""
+    if key in DEFINITIONS:
+        return DEFINITIONS[key]
+    for candidate in (_STAT.sub("", key), _STAT.sub("_pX", key), _STAT.sub("", key) + "_s"):
+        if candidate in DEFINITIONS:
+            return DEFINITIONS[candidate]
+    return None
 
 
 @dataclass(slots=True)
