@@ -84,6 +84,14 @@ DEFINITIONS: dict[str, str] = {
     "warmup": "the warm-up phase, reported apart: requests, errors, duration_s, ttft_p50_s, tpot_p50_s",
 }
 
+
+def definitions_markdown() -> str:
+    """DEFINITIONS as a Markdown table (bench/README.md embeds it; a test keeps the two equal)."""
+    rows = ["| metric | definition |", "|---|---|"]
+    rows += [f"| `{k}` | {v.replace('|', '&#124;')} |" for k, v in DEFINITIONS.items()]
+    return "\n".join(rows) + "\n"
+
+
 _STAT = re.compile(r"_(mean|p\d+(?:_\d+)?)(?=(_s)?$)")
 
 

@@ -16,8 +16,9 @@ byte-level tokenizer re-tokenises the text to exactly the generated count.
 
 `flavor="trtllm"` imitates NVIDIA's llmapi model instead of ours: no `num_output_tokens`,
 `num_input_tokens`, `mean_acceptance_length`, `num_rounds`, no `streaming_delta`,
-`sampling_param_ignore_eos` or `sampling_param_min_tokens` inputs, and (like Triton) a 400
-error for any input the model does not declare.
+`sampling_param_ignore_eos` or `sampling_param_min_tokens` inputs, and an error for any input
+the model does not declare (as Triton's gRPC endpoint does; Triton's HTTP `generate` passes
+unknown keys on as parameters, the scripted server is stricter on purpose).
 """
 
 from __future__ import annotations

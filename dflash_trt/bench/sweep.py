@@ -328,7 +328,8 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
         if overwrite and old.get("fingerprint") != fresh["fingerprint"]:
             (out / "requests.jsonl").unlink(missing_ok=True)
             return RunState(out=out, summary=fresh)
-        state = RunState(out=out, summary={**fresh, "created_at": old.get("created_at", fresh["created_at"])})
+        kept = {k: old[k] for k in ("created_at", "environment", "server", "workload") if k in old}
+        state = RunState(out=out, summary={**fresh, **kept})
         state.done = {
             p["key"]: p for p in old.get("points", []) if p.get("fingerprint") == fresh["fingerprint"]
         }

@@ -85,7 +85,7 @@ def test_sweep_human_output(scripted, tmp_path, byte_tokenizer_dir) -> None:
         argv = [
             "bench", "sweep", "--url", server.http_url, "--protocol", "triton-http", "--concurrency", "2",
             "--num-requests", "2", "--warmup", "0", "--isl", "12", "--osl", "9", "--tokenizer", str(byte_tokenizer_dir),
-            "--out", str(tmp_path / "r"),
+            "--out", str(tmp_path / "r"), "--progress",
         ]  # fmt: skip
         result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 0, result.output

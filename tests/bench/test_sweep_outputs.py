@@ -89,10 +89,18 @@ def test_resume_skips_completed_points(scripted, tmp_path, byte_tokenizer_dir) -
         first = json.loads((out / "summary.json").read_text())["points"]
         summary = run_sweep(_cfg(server, out, byte_tokenizer_dir, concurrency=(1, 2, 4), label="renamed"))
         sent = server.log.count - before
+        # nothing left to do: nothing sent, nothing lost
+        again = run_sweep(_cfg(server, out, byte_tokenizer_dir, concurrency=(1, 2, 4)))
+        assert server.log.count - before == sent
     assert sent == 1 + 4  # only concurrency=4 ran: 1 warm-up + 4 measured requests
     assert [p["key"] for p in summary["points"]] == ["concurrency=1", "concurrency=2", "concurrency=4"]
     assert summary["points"][:2] == first
     assert len(_lines(out / "requests.jsonl")) == 2 * 5 + (1 + 4)
+    assert again["points"] == summary["points"] and again["status"] == "complete"
+    assert (
+        again["server"]["output_length_control"] == "sampling_param_ignore_eos"
+        and again["workload"]["isl"] == 16
+    )
 
 
 def test_other_configuration_is_refused_unless_overwrite(scripted, tmp_path, byte_tokenizer_dir) -> None:
