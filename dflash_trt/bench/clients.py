@@ -102,6 +102,25 @@ def _one(v: Any) -> Any:
     return v
 
 
+def _number(v: Any) -> float | None:
+    """A numeric output as float. NVIDIA's llmapi model sends its metric tensors with the text
+    output's dtype (BYTES), so numbers may arrive as strings; unparsable values count as absent."""
+    if v is None or isinstance(v, bool):
+        return None if v is None else float(v)
+    if isinstance(v, (bytes, bytearray)):
+        v = v.decode("utf-8", errors="replace")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _count(v: Any) -> int | None:
+    f = _number(v)
+    return None if f is None else int(round(f))
+
+
 def _unreachable(url: str, exc: BaseException, default_port: str) -> DFlashTrtError:
     return DFlashTrtError(
         f"cannot reach the server at --url={url} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
@@ -275,23 +294,23 @@ class TritonHttpClient(_HttpClient):
             count = _one(obj.get("num_output_tokens"))
             if isinstance(text, list):  # defensive: nested lists
                 text = text[0] if text else ""
+            count = _count(count)
             if count is not None:
-                count = int(count)
                 raw.count_source = "num_output_tokens"
             if delta:
                 raw.add_delta(t, count, text or "")
             else:
                 raw.add_accumulated(t, count, text or "")
-            nin = _one(obj.get("num_input_tokens"))
+            nin = _count(_one(obj.get("num_input_tokens")))
             if nin is not None:
-                raw.input_tokens_server = int(nin)
+                raw.input_tokens_server = nin
             fr = _one(obj.get("finish_reason"))
             if fr:
                 raw.finish_reason = str(fr)
             for key in SPEC_OUTPUTS:
-                v = _one(obj.get(key))
+                v = _number(_one(obj.get(key)))
                 if v is not None:
-                    raw.spec[key] = float(v)
+                    raw.spec[key] = v
 
 
 def _error_body(text: str) -> str:
@@ -552,7 +571,7 @@ class TritonGrpcClient(Client):
             t = time.perf_counter()
             if sresp.error_message:
                 raw.error = sresp.error_message[:300]
-                # Triton ends a failed request with this response; no final flag follows on its own
+                # a failed request: drop the stream rather than guess whether more responses follow
                 return False
             r = sresp.infer_response
             outputs = r.outputs
@@ -565,8 +584,8 @@ class TritonGrpcClient(Client):
                         text = _output_value(r, i, out) or ""
                     elif name == "num_output_tokens":
                         count = _output_value(r, i, out)
+                count = _count(count)
                 if count is not None:
-                    count = int(count)
                     raw.count_source = "num_output_tokens"
                 if delta:
                     raw.add_delta(t, count, text)
@@ -580,13 +599,15 @@ class TritonGrpcClient(Client):
                 break
         if stats_resp is not None:
             values = {out.name: _output_value(stats_resp, i, out) for i, out in enumerate(stats_resp.outputs)}
-            if values.get("num_input_tokens") is not None:
-                raw.input_tokens_server = int(values["num_input_tokens"])
+            nin = _count(values.get("num_input_tokens"))
+            if nin is not None:
+                raw.input_tokens_server = nin
             if values.get("finish_reason"):
                 raw.finish_reason = str(values["finish_reason"])
             for key in SPEC_OUTPUTS:
-                if values.get(key) is not None:
-                    raw.spec[key] = float(values[key])
+                v = _number(values.get(key))
+                if v is not None:
+                    raw.spec[key] = v
         return True
 
 
@@ -696,11 +717,12 @@ class OpenAIClient(_HttpClient):
             usage = obj.get("usage")
             count = None
             if isinstance(usage, dict):
-                if usage.get("completion_tokens") is not None:
-                    count = int(usage["completion_tokens"])
+                count = _count(usage.get("completion_tokens"))
+                if count is not None:
                     raw.count_source = "usage"
-                if usage.get("prompt_tokens") is not None:
-                    raw.input_tokens_server = int(usage["prompt_tokens"])
+                prompt_tokens = _count(usage.get("prompt_tokens"))
+                if prompt_tokens is not None:
+                    raw.input_tokens_server = prompt_tokens
             raw.add_delta(t, count, piece)
 
 

@@ -93,6 +93,7 @@ class Script:
     fail_midstream: bool = False  # fail after the first chunk instead of before streaming
     grpc_separate_final: bool = False  # gRPC: the final flag on a separate empty response
     max_tokens_datatype: str = "INT32"  # the declared dtype of sampling_param_max_tokens
+    metrics_as_strings: bool = False  # NVIDIA's quirk: numeric outputs sent as BYTES strings
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -356,6 +357,8 @@ class ScriptedServer:
             out["arrival_time_ns"] = arrival_ns
             out["first_token_time_ns"] = first_ns
             out["last_token_time_ns"] = now_ns
+        if self.script.metrics_as_strings:
+            out = {k: v if k in ("text_output", "finish_reason") else str(v) for k, v in out.items()}
         return out
 
     def _json_event(self, outputs: dict[str, Any]) -> dict[str, Any]:
@@ -657,7 +660,7 @@ class _GrpcService:
         declared = self.server.script.declared_outputs()
         resp = self.pb.ModelInferResponse(model_name=self.server.model, model_version="1", id=request.id)
         for name, value in outputs.items():
-            dtype = declared[name]
+            dtype = "BYTES" if isinstance(value, str) else declared[name]
             resp.outputs.add(name=name, datatype=dtype, shape=[1])
             resp.raw_output_contents.append(encode_raw(dtype, value))
         resp.parameters["triton_final_response"].bool_param = final

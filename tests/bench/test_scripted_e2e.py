@@ -166,8 +166,23 @@ def test_output_length_control(scripted, tmp_path, byte_tokenizer_dir) -> None:
             "openai-completions",
             Script(ttft_s=0.02, chunk_gap_s=0.01, tokens_per_chunk=(4,), openai_usage=False),
         ),
+        (
+            "triton-http",
+            Script(ttft_s=0.02, chunk_gap_s=0.01, tokens_per_chunk=(4,), metrics_as_strings=True),
+        ),
+        (
+            "triton-grpc",
+            Script(ttft_s=0.02, chunk_gap_s=0.01, tokens_per_chunk=(4,), metrics_as_strings=True),
+        ),
     ],
-    ids=["http-json-lists", "grpc-empty-final", "grpc-uint32-max-tokens", "openai-no-usage"],
+    ids=[
+        "http-json-lists",
+        "grpc-empty-final",
+        "grpc-uint32-max-tokens",
+        "openai-no-usage",
+        "http-metrics-as-strings",  # NVIDIA's model sends its metric tensors as BYTES
+        "grpc-metrics-as-strings",
+    ],
 )
 def test_protocol_variants(protocol, script, scripted, tmp_path, byte_tokenizer_dir) -> None:
     with scripted(script) as server:
@@ -179,6 +194,11 @@ def test_protocol_variants(protocol, script, scripted, tmp_path, byte_tokenizer_
     expected_source = "retokenized" if not script.openai_usage else "num_output_tokens"
     assert p["output_tokens_source"] == expected_source
     assert p["tpot_p50_s"] == pytest.approx(4 * 0.01 / 16, rel=0.1)
+    if protocol.startswith("triton"):
+        assert p["mean_acceptance_length"] == pytest.approx(4.0) and p[
+            "acceptance_rate_pooled"
+        ] == pytest.approx(3 / 7)
+        assert p["isl_discrepancy_pct"] == 0.0  # num_input_tokens parsed too
 
 
 @pytest.mark.parametrize("protocol", ["triton-http", "triton-grpc", "openai-completions"])
