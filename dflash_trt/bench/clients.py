@@ -118,7 +118,7 @@ def _number(v: Any) -> float | None:
 
 def _count(v: Any) -> int | None:
     f = _number(v)
-    return None if f is None else int(round(f))
+    return None if f is None else round(f)
 
 
 def _unreachable(url: str, exc: BaseException, default_port: str) -> DFlashTrtError:
