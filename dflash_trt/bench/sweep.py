@@ -118,6 +118,11 @@ class SweepConfig:
                 f"--request-rate={','.join(map(str, self.request_rate))}: values must be finite and > 0",
                 hint="for an unlimited rate use --concurrency instead",
             )
+        if self.num_requests is not None and self.concurrency and self.num_requests < max(self.concurrency):
+            raise UsageError(
+                f"--num-requests={self.num_requests} is below --concurrency={max(self.concurrency)}: that point never reaches its concurrency",
+                hint="pass --num-requests of at least the largest concurrency (10x is customary), or leave it out for 10 x concurrency",
+            )
         if self.num_requests is not None and self.duration_s is not None:
             raise UsageError("--num-requests and --duration are mutually exclusive", hint="pass one of them")
         if self.dataset is None:

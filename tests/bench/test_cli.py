@@ -248,6 +248,23 @@ def test_checked_in_specs_resolve(capsys) -> None:
             "expected a JSON object",
         ),
         (["--only", "AR", "--url", "h:1"], "--only selects runs of a --spec"),
+        (
+            [
+                "--url",
+                "h:1",
+                "--concurrency",
+                "1,8",
+                "--num-requests",
+                "4",
+                "--isl",
+                "4",
+                "--osl",
+                "4",
+                "--tokenizer",
+                "t",
+            ],
+            "--num-requests=4 is below --concurrency=8",
+        ),
     ],
 )
 def test_usage_errors_exit_2(argv, message, capsys, tmp_path) -> None:

@@ -132,14 +132,14 @@ def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byt
         cmd = [
             sys.executable, "-m", "dflash_trt", "bench", "sweep",
             "--url", server.http_url, "--protocol", "triton-http", "--concurrency", "1,2,3",
-            "--num-requests", "2", "--warmup", "0", "--isl", "16", "--osl", "9",
+            "--num-requests", "3", "--warmup", "0", "--isl", "16", "--osl", "9",
             "--tokenizer", str(byte_tokenizer_dir), "--out", str(out), "--no-progress",
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 60
         summary_path = out / "summary.json"
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             if summary_path.is_file() and json.loads(summary_path.read_text()).get("points"):
                 break
             time.sleep(0.05)
@@ -155,7 +155,7 @@ def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byt
         before = server.log.count
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
-        assert server.log.count - before == 4  # concurrency 2 and 3, two requests each
+        assert server.log.count - before == 6  # concurrency 2 and 3, three requests each
     final = json.loads(summary_path.read_text())
     assert final["status"] == "complete"
     assert [p["key"] for p in final["points"]] == ["concurrency=1", "concurrency=2", "concurrency=3"]
