@@ -23,13 +23,23 @@ _LAZY: dict[str, str] = {
     "GenerationResult": "dflash_trt.engine.generate:GenerationResult",
     "build_target_layer_ids": "dflash_trt.engine.features:build_target_layer_ids",
     "ensure_tiny": "dflash_trt.tiny:ensure_tiny",
+    "LLM": "dflash_trt.llmapi:LLM",
+    "SamplingParams": "dflash_trt.llmapi:SamplingParams",
+    "KvCacheConfig": "dflash_trt.llmapi:KvCacheConfig",
+    "CudaGraphConfig": "dflash_trt.llmapi:CudaGraphConfig",
+    "DFlashDecodingConfig": "dflash_trt.engine.spec_config:DFlashDecodingConfig",
 }
 
 __all__ = [
+    "LLM",
+    "CudaGraphConfig",
     "DFlashConfig",
+    "DFlashDecodingConfig",
     "DFlashDrafter",
     "GenerationResult",
     "HFTarget",
+    "KvCacheConfig",
+    "SamplingParams",
     "__version__",
     "build_target_layer_ids",
     "ensure_tiny",
@@ -43,7 +53,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from dflash_trt.engine.drafter import DFlashDrafter
     from dflash_trt.engine.features import build_target_layer_ids
     from dflash_trt.engine.generate import GenerationResult, spec_generate
+    from dflash_trt.engine.spec_config import DFlashDecodingConfig
     from dflash_trt.engine.target import HFTarget
+    from dflash_trt.llmapi import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams
     from dflash_trt.tiny import ensure_tiny
 
 

@@ -177,7 +177,7 @@ def generate(
         stop_token_ids=stops,
         block_size=block_size,
     )
-    text = tokenizer.decode(result.output_ids, skip_special_tokens=False) if tokenizer is not None else None
+    text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else None
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(text)) + "\n")
         return

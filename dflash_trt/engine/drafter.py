@@ -190,21 +190,26 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         ctx_index: torch.Tensor,
         ctx_lens: torch.Tensor,
+        block_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One non-causal block pass.
 
         block_embeds: [bs, B, D]; block_positions: [bs, B] (start_i + j); ctx_index: [bs, Lc] cache
         slots of positions 0..Lc-1 (see kv_cache.context_index); ctx_lens: [bs] = start_i, the number
-        of valid context keys. Returns the final-normed hidden states [bs, B, D].
+        of valid context keys; block_lens: [bs] optional per-sequence block length B_i <= B (slots
+        >= B_i are hidden from every query, which reproduces a block of size B_i exactly; their own
+        outputs are garbage and must be ignored). Returns the final-normed hidden states [bs, B, D].
         """
         bs, blk, _ = block_embeds.shape
         lc = ctx_index.shape[1]
         device = block_embeds.device
         ctx_pos = torch.arange(lc, device=device).expand(bs, lc)  # [bs, Lc]
         k_pos = torch.cat([ctx_pos, block_positions], dim=1)  # [bs, Lc + B]
-        k_valid = torch.cat(
-            [ctx_pos < ctx_lens[:, None], torch.ones(bs, blk, dtype=torch.bool, device=device)], dim=1
-        )
+        if block_lens is None:
+            blk_valid = torch.ones(bs, blk, dtype=torch.bool, device=device)
+        else:
+            blk_valid = torch.arange(blk, device=device)[None, :] < block_lens[:, None]
+        k_valid = torch.cat([ctx_pos < ctx_lens[:, None], blk_valid], dim=1)
         masks: dict[tuple[bool, int | None], torch.Tensor] = {}
         cos, sin = self.rotary(block_positions, block_embeds.dtype)  # [bs, B, d]
         x = block_embeds

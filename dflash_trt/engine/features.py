@@ -4,6 +4,8 @@
 Target layer l's *output* (the residual stream before the final norm) is what DFlash conditions on.
 In Hugging Face `output_hidden_states`, index 0 is the embedding output, so layer l is
 `hidden_states[l + 1]`. Engines that hook a layer's input must tap layer l + 1 instead.
+One exception: transformers' last entry is taken *after* the final norm, so a tap of the last
+layer sees the normed state. The native models reproduce that (published drafters never tap it).
 """
 
 from __future__ import annotations

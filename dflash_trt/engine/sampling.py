@@ -58,11 +58,15 @@ def logits_to_probs(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    *,
+    needs_filter: bool | None = None,
+    any_greedy: bool | None = None,
 ) -> torch.Tensor:
     """logits: [N, V]; temperature/top_k/top_p: [N] -> probs [N, V] float32.
 
     Rows with temperature 0 become one-hot at the argmax, so greedy falls out of the same
-    acceptance rule. Otherwise: divide by T, keep the top-k logits, softmax, then keep the
+    acceptance rule. `needs_filter` / `any_greedy` may be given by callers that know them from the
+    request parameters, so the function never synchronises with the host (CUDA graphs). Otherwise: divide by T, keep the top-k logits, softmax, then keep the
     smallest prefix of the sorted distribution whose mass before each kept token is < top_p,
     and renormalise (the order and tie rules of the authors' reference).
     """
@@ -71,7 +75,10 @@ def logits_to_probs(
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     scores = scores / safe_t[:, None]
-    needs_filter = bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any())
+    if needs_filter is None:  # host sync; callers that know their requests pass the flags
+        needs_filter = bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any())
+    if any_greedy is None:
+        any_greedy = bool(greedy.any())
     if needs_filter:
         sorted_scores, order = scores.sort(dim=-1, descending=True)  # [N, V]
         ranks = torch.arange(vocab, device=scores.device)[None, :]
@@ -84,7 +91,7 @@ def logits_to_probs(
         probs = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
     else:
         probs = torch.softmax(scores, dim=-1)
-    if bool(greedy.any()):
+    if any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs

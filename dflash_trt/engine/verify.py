@@ -23,12 +23,15 @@ from dflash_trt.engine.sampling import sample_from_probs
 
 
 def greedy_accept(
-    draft_tokens: torch.Tensor, target_logits: torch.Tensor
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_tokens: [N, g]; target_logits: [N, g + 1, V] -> (accepted [N], emitted [N])."""
+    """draft_tokens: [N, g]; target_logits: [N, g + 1, V]; valid: [N, g] optional (False marks a slot
+    beyond the sequence's block: never accepted) -> (accepted [N], emitted [N])."""
     posterior = target_logits.argmax(dim=-1)  # [N, g + 1]
-    match = (draft_tokens == posterior[:, :-1]).to(torch.int64)  # [N, g]
-    accepted = match.cumprod(dim=1).sum(dim=1)  # [N]
+    match = draft_tokens == posterior[:, :-1]  # [N, g]
+    if valid is not None:
+        match = match & valid
+    accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [N]
     emitted = posterior.gather(1, accepted[:, None]).squeeze(1)  # [N]
     return accepted, emitted
 
@@ -39,19 +42,23 @@ def rejection_accept(
     target_probs: torch.Tensor,
     u_accept: torch.Tensor,
     u_emit: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling for a batch.
 
     draft_tokens: [N, g]; draft_probs q: [N, g, V]; target_probs p: [N, g + 1, V] (already
     temperature/top-k/top-p processed, rows of greedy requests one-hot); u_accept: [N, g];
-    u_emit: [N, g + 1] (column j is the uniform for emitting after j accepted drafts).
+    u_emit: [N, g + 1] (column j is the uniform for emitting after j accepted drafts);
+    valid: [N, g] optional (False marks a slot beyond the sequence's block: never accepted).
     Returns (accepted [N], emitted [N]).
     """
     n, g = draft_tokens.shape
     p_d = target_probs[:, :g].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [N, g]
     q_d = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [N, g]
-    ok = (u_accept * q_d < p_d).to(torch.int64)  # [N, g]
-    accepted = ok.cumprod(dim=1).sum(dim=1)  # [N]
+    ok = u_accept * q_d < p_d  # [N, g]
+    if valid is not None:
+        ok = ok & valid
+    accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [N]
     rows = torch.arange(n, device=draft_tokens.device)
     p_a = target_probs[rows, accepted]  # [N, V]
     # q after the last draft is zero: the bonus distribution is p itself.

@@ -1,0 +1,457 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Model runner: batched prefill and one DFlash round for every running sequence.
+
+A round, for bs sequences at anchor positions start_i with block length B_i <= Bq = g + 1:
+  1. inject the pending context (target features of the previous round's committed tokens) into
+     the draft cache — always, even when this round does not draft, so the draft cache never
+     falls behind;
+  2. draft g tokens per sequence in one block pass (slots >= B_i hidden, which reproduces a
+     block of size B_i exactly);
+  3. verify [anchor, drafts] with the target in one pass, writing K/V for the B_i valid tokens and
+     keeping the layer taps as the next round's pending context;
+  4. accept on device (greedy or lossless rejection sampling; randomness keyed by position).
+The host reads back only (accepted, emitted, drafts): one synchronisation per round.
+
+Every tensor of the round has a static shape given (bs, g, context pages), so on CUDA the round
+is captured once per (padded batch size, g, page bucket) and replayed from static buffers.
+Padding rows point at page 0, which no sequence owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_trt.engine.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
+from dflash_trt.engine.sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_DRAFT,
+    PURPOSE_EMIT,
+    logits_to_probs,
+    sample_from_probs,
+    uniform,
+)
+from dflash_trt.engine.verify import greedy_accept, rejection_accept
+
+if TYPE_CHECKING:
+    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.engine.sequence import Sequence
+    from dflash_trt.models.decoder import NativeTarget
+
+log = logging.getLogger(__name__)
+
+# Padded batch sizes for captured rounds; a batch replays the smallest graph that fits.
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class RoundOutput:
+    accepted: list[int]  # drafts accepted per sequence (before length/stop truncation)
+    emitted: list[int]  # the target's token after the accepted drafts
+    drafts: list[list[int]]  # g proposed tokens per sequence
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time per phase, accumulated (seconds). Only synchronised when profiling is on."""
+
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+    round_s: float = 0.0
+    rounds: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: NativeTarget,
+        drafter: DFlashDrafter | None,
+        *,
+        max_batch_size: int,
+        num_pages: int,
+        page_size: int,
+        block_size: int,
+        cuda_graphs: bool = False,
+        graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES,
+        profile: bool = False,
+        static_rounds: bool = False,
+    ) -> None:
+        """static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
+        exercises exactly the padding a captured round sees; tests use it)."""
+        self.target = target
+        self.drafter = drafter
+        self.device = target.model.embed_tokens.weight.device
+        self.max_batch_size = max_batch_size
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.block_size = block_size if drafter is not None else 1
+        self.profile = profile
+        self.times = PhaseTimes()
+        self.target_cache: PagedKVCache = target.make_cache(num_pages=num_pages, page_size=page_size)
+        self.draft_cache: PagedKVCache | None = None
+        self.tap_layers: list[int] | None = None
+        self.feature_dim = 0
+        if drafter is not None:
+            self.draft_cache = drafter.make_cache(
+                num_pages=num_pages, page_size=page_size, device=self.device
+            )
+            drafter.bind_target(target.model.embed_tokens.weight, target.lm_head.weight, None)
+            self.tap_layers = list(drafter.config.target_layer_ids)
+            self.feature_dim = drafter.config.num_target_features * drafter.config.hidden_size
+            # Pending context per slot: target taps of the last round's tokens [slots + 1, B, K*D].
+            # The extra last row belongs to padding rows of captured rounds.
+            self.pending = torch.zeros(
+                max_batch_size + 1,
+                self.block_size,
+                self.feature_dim,
+                dtype=drafter.fc.weight.dtype,
+                device=self.device,
+            )
+        self.mask_token_id = drafter.mask_token_id if drafter is not None else 0
+        moe = target.config.moe is not None
+        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and not moe)
+        if cuda_graphs and self.device.type == "cuda" and moe:
+            log.warning("CUDA graphs are off for MoE targets (their expert routing is data dependent)")
+        self.graph_batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_batch_size) or (
+            max_batch_size,
+        )
+        if self.graph_batch_sizes[-1] < max_batch_size:
+            self.graph_batch_sizes = (*self.graph_batch_sizes, max_batch_size)
+        self.static_rounds = static_rounds or self.cuda_graphs
+        self._graphs: dict[tuple, Any] = {}
+        self._graph_failed = False
+
+    # ------------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.profile and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(self.device)
+
+    def _tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        rows = [s.pages[:width] + [0] * (width - min(width, len(s.pages))) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> list[int | None]:
+        """Run prompt chunks [lo, hi) of several sequences in one padded pass.
+
+        Writes target K/V, injects the chunk's context into the draft cache, and returns the first
+        generated token for sequences whose prompt is now complete (None for the others).
+        """
+        t0 = time.perf_counter()
+        bs = len(seqs)
+        t = max(hi - lo for lo, hi in chunks)
+        dev = self.device
+        ids = torch.zeros(bs, t, dtype=torch.long)
+        pos = torch.zeros(bs, t, dtype=torch.long)
+        valid = torch.zeros(bs, t, dtype=torch.bool)
+        for i, (s, (lo, hi)) in enumerate(zip(seqs, chunks)):
+            ids[i, : hi - lo] = torch.tensor(s.prompt_ids[lo:hi])
+            pos[i, : hi - lo] = torch.arange(lo, hi)
+            pos[i, hi - lo :] = hi  # padding rows sit after the chunk, masked as keys
+            valid[i, : hi - lo] = True
+        ids, pos, valid = ids.to(dev), pos.to(dev), valid.to(dev)
+        width = pages_for(max(hi for _, hi in chunks), self.page_size)
+        tables = self._tables(seqs, width)
+        slots = torch.where(
+            valid, slot_mapping(tables, pos.clamp(max=width * self.page_size - 1), self.page_size), 0
+        )
+        seq_lens = torch.tensor([hi for _, hi in chunks], device=dev)
+        last = torch.tensor([hi - lo - 1 for lo, hi in chunks], device=dev)
+        logits, taps = self.target(
+            ids,
+            pos,
+            seq_lens,
+            self.target_cache,
+            slots,
+            context_index(tables, self.page_size),
+            tap_layers=self.tap_layers,
+            logits_index=last,
+        )  # logits [bs, V]; taps [bs, t, K*D]
+        if self.drafter is not None and taps is not None:
+            assert self.draft_cache is not None
+            self.drafter.inject_context(self.draft_cache, taps[valid], pos[valid], slots[valid])
+        done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(seqs, chunks)]
+        firsts: list[int | None] = [None] * bs
+        if any(done):
+            temps = torch.tensor([s.temperature for s in seqs], device=dev)
+            probs = logits_to_probs(
+                logits,
+                temps,
+                torch.tensor([s.top_k for s in seqs], device=dev),
+                torch.tensor([s.top_p for s in seqs], device=dev),
+                needs_filter=any(s.needs_filter for s in seqs),
+                any_greedy=any(s.temperature == 0 for s in seqs),
+            )
+            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+            u = uniform(seeds, seq_lens[:, None], PURPOSE_EMIT)[:, 0]
+            tokens = sample_from_probs(probs, u).tolist()
+            firsts = [tok if d else None for tok, d in zip(tokens, done)]
+        self._sync()
+        self.times.prefill_s += time.perf_counter() - t0
+        return firsts
+
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_round(self, seqs: list[Sequence], draft_len: int) -> RoundOutput:
+        """One round for `seqs` (all running) with g = draft_len drafts each (0 = plain decoding)."""
+        t0 = time.perf_counter()
+        g = draft_len if self.drafter is not None else 0
+        bq = g + 1
+        bs = len(seqs)
+        width = pages_for(max(s.start + min(bq, s.max_len - s.start) for s in seqs), self.page_size)
+        inputs: dict[str, list[Any]] = {
+            "anchors": [s.last_token for s in seqs],
+            "starts": [s.start for s in seqs],
+            "block_lens": [min(bq, s.max_len - s.start) for s in seqs],
+            "pending": [s.pending for s in seqs],
+            "slot_ids": [s.slot for s in seqs],
+            "seeds": [s.seed for s in seqs],
+            "temps": [s.temperature for s in seqs],
+            "top_k": [s.top_k for s in seqs],
+            "top_p": [s.top_p for s in seqs],
+            "greedy_draft": [s.greedy_draft or s.temperature == 0 for s in seqs],
+        }
+        flags = (
+            all(s.temperature == 0 for s in seqs),
+            any(s.temperature == 0 for s in seqs),
+            any(s.needs_filter for s in seqs),
+        )
+        tables = [s.pages for s in seqs]
+        if self.static_rounds and not self._graph_failed:
+            try:
+                acc, emit, drafts = self._replay(inputs, tables, bs, g, width, flags)
+            except Exception as exc:  # pragma: no cover - GPU only
+                if not self.cuda_graphs:
+                    raise
+                log.warning("CUDA graph capture failed (%s); falling back to eager rounds", exc)
+                self._graph_failed = True
+                self._graphs.clear()
+                acc, emit, drafts = self._eager(inputs, tables, g, width, flags)
+        else:
+            acc, emit, drafts = self._eager(inputs, tables, g, width, flags)
+        out = RoundOutput(accepted=acc.tolist(), emitted=emit.tolist(), drafts=drafts.tolist())
+        self.times.round_s += time.perf_counter() - t0
+        self.times.rounds += 1
+        return out
+
+    def _eager(self, inputs: dict[str, list], tables: list[list[int]], g: int, width: int, flags: tuple):
+        dev = self.device
+        t = {k: torch.tensor(v, device=dev) for k, v in inputs.items()}
+        rows = [p[:width] + [0] * (width - min(width, len(p))) for p in tables]
+        return self._round_core(
+            t["anchors"], t["starts"], t["block_lens"], torch.tensor(rows, dtype=torch.long, device=dev),
+            t["pending"], t["slot_ids"], t["seeds"], t["temps"].float(), t["top_k"], t["top_p"].float(),
+            t["greedy_draft"], g=g, flags=flags,
+        )  # fmt: skip
+
+    def _round_core(
+        self,
+        anchors: torch.Tensor,  # [bs] last emitted token (the block's anchor)
+        starts: torch.Tensor,  # [bs] anchor positions (= tokens in the target cache)
+        block_lens: torch.Tensor,  # [bs] B_i <= g + 1
+        tables: torch.Tensor,  # [bs, W] block tables, padded with page 0
+        pending: torch.Tensor,  # [bs] valid rows of the pending context
+        slot_ids: torch.Tensor,  # [bs] rows of self.pending
+        seeds: torch.Tensor,  # [bs] int64
+        temps: torch.Tensor,  # [bs]
+        top_k: torch.Tensor,  # [bs]
+        top_p: torch.Tensor,  # [bs]
+        greedy_draft: torch.Tensor,  # [bs] bool: propose argmax drafts
+        *,
+        g: int,
+        flags: tuple[bool, bool, bool],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        all_greedy, any_greedy, needs_filter = flags
+        bs = anchors.shape[0]
+        bq = g + 1
+        dev = anchors.device
+        ps = self.page_size
+        cap = tables.shape[1] * ps - 1
+        ctx_idx = context_index(tables, ps)  # [bs, W * P]
+        j = torch.arange(bq, device=dev)
+        block_pos = starts[:, None] + j  # [bs, Bq]
+        blk_valid = j[None, :] < block_lens[:, None]  # [bs, Bq]
+
+        t_draft = time.perf_counter()
+        drafts = torch.zeros(bs, g, dtype=torch.long, device=dev)
+        q_probs = None
+        if self.drafter is not None:
+            assert self.draft_cache is not None
+            # 1. KV injection of the pending context (rows >= pending go to the padding page).
+            w = self.pending.shape[1]
+            r = torch.arange(w, device=dev)
+            ctx_pos = starts[:, None] - pending[:, None] + r  # [bs, w]
+            ctx_ok = r[None, :] < pending[:, None]
+            ctx_slots = torch.where(ctx_ok, slot_mapping(tables, ctx_pos.clamp(0, cap), ps), 0)
+            feats = self.pending[slot_ids]  # [bs, w, K*D]
+            self.drafter.inject_context(
+                self.draft_cache,
+                feats.reshape(bs * w, -1),
+                ctx_pos.clamp(min=0).reshape(-1),
+                ctx_slots.reshape(-1),
+            )
+            # 2. one block pass drafts g tokens per sequence
+            if g > 0:
+                block = torch.full((bs, bq), self.mask_token_id, dtype=torch.long, device=dev)
+                block[:, 0] = anchors
+                hidden = self.drafter.forward_block(
+                    self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, starts, block_lens
+                )  # [bs, Bq, D]
+                d_logits = self.drafter.compute_logits(hidden[:, 1:])  # [bs, g, V]
+                argmax = d_logits.argmax(dim=-1)
+                if all_greedy:
+                    drafts = argmax
+                else:
+                    vocab = d_logits.shape[-1]
+                    q_probs = logits_to_probs(
+                        d_logits.reshape(bs * g, vocab),
+                        temps.repeat_interleave(g),
+                        top_k.repeat_interleave(g),
+                        top_p.repeat_interleave(g),
+                        needs_filter=needs_filter,
+                        any_greedy=any_greedy,
+                    ).reshape(bs, g, vocab)
+                    u = uniform(seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
+                    sampled = sample_from_probs(q_probs.reshape(bs * g, vocab), u.reshape(-1)).reshape(bs, g)
+                    drafts = torch.where(greedy_draft[:, None], argmax, sampled)
+                    one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
+                    q_probs = torch.where(greedy_draft[:, None, None], one_hot, q_probs)
+        self._sync()
+        t_verify = time.perf_counter()
+
+        # 3. verify [anchor, drafts] in one target pass
+        tokens = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, Bq]
+        slots = torch.where(blk_valid, slot_mapping(tables, block_pos.clamp(max=cap), ps), 0)
+        logits, taps = self.target(
+            tokens,
+            block_pos,
+            starts + block_lens,
+            self.target_cache,
+            slots,
+            ctx_idx,
+            tap_layers=self.tap_layers,
+        )  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
+        if taps is not None:
+            self.pending[slot_ids, :bq] = taps.to(self.pending.dtype)
+        self._sync()
+        t_accept = time.perf_counter()
+
+        # 4. accept
+        d_valid = j[None, 1:] < block_lens[:, None]  # [bs, g]: draft j+1 lies inside the block
+        if all_greedy:
+            acc, emit = greedy_accept(drafts, logits, d_valid)
+        else:
+            vocab = logits.shape[-1]
+            p = logits_to_probs(
+                logits.reshape(bs * bq, vocab),
+                temps.repeat_interleave(bq),
+                top_k.repeat_interleave(bq),
+                top_p.repeat_interleave(bq),
+                needs_filter=needs_filter,
+                any_greedy=any_greedy,
+            ).reshape(bs, bq, vocab)
+            if q_probs is None:
+                q_probs = p.new_zeros(bs, g, vocab)
+            acc, emit = rejection_accept(
+                drafts,
+                q_probs,
+                p,
+                uniform(seeds, block_pos[:, 1:], PURPOSE_ACCEPT),
+                uniform(seeds, block_pos + 1, PURPOSE_EMIT),
+                d_valid,
+            )
+        self._sync()
+        t_end = time.perf_counter()
+        self.times.draft_s += t_verify - t_draft
+        self.times.verify_s += t_accept - t_verify
+        self.times.accept_s += t_end - t_accept
+        return acc, emit, drafts
+
+    # --- static rounds and CUDA graphs -----------------------------------------------------------
+    def _replay(self, inputs, tables, bs, g, width, flags):
+        """Pad the batch to the graph ladder and the pages to a power of two, then replay."""
+        bs_pad = next(b for b in self.graph_batch_sizes if b >= bs)
+        w_pad = 1 << max(0, (width - 1).bit_length())
+        w_pad = min(w_pad, self.num_pages - 1)
+        key = (bs_pad, g, w_pad, flags)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = _StaticRound(self, bs_pad, g, w_pad, flags, capture=self.cuda_graphs)
+            self._graphs[key] = graph
+        return graph.run(inputs, tables, bs)
+
+
+class _StaticRound:
+    """Static input buffers for one (padded batch, g, pages, flags) shape, and the copy-in / run /
+    copy-out protocol. With `capture` (CUDA) the round is recorded once as a CUDA graph and
+    replayed; without it the same buffers are run eagerly (CPU tests of the padding)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        bs: int,
+        g: int,
+        width: int,
+        flags: tuple[bool, bool, bool],
+        *,
+        capture: bool,
+    ):
+        dev = runner.device
+        self.runner, self.bs, self.g, self.width, self.flags = runner, bs, g, width, flags
+        self.capture = capture
+        i64 = torch.long
+        self.buf = {
+            "anchors": torch.zeros(bs, dtype=i64, device=dev),
+            "starts": torch.ones(bs, dtype=i64, device=dev),  # padding rows: one garbage token at position 0
+            "block_lens": torch.ones(bs, dtype=i64, device=dev),
+            "tables": torch.zeros(bs, width, dtype=i64, device=dev),
+            "pending": torch.zeros(bs, dtype=i64, device=dev),
+            "slot_ids": torch.zeros(bs, dtype=i64, device=dev),
+            "seeds": torch.zeros(bs, dtype=i64, device=dev),
+            "temps": torch.zeros(bs, dtype=torch.float32, device=dev),
+            "top_k": torch.zeros(bs, dtype=i64, device=dev),
+            "top_p": torch.ones(bs, dtype=torch.float32, device=dev),
+            "greedy_draft": torch.ones(bs, dtype=torch.bool, device=dev),
+        }
+        self._fill_padding()
+        if capture:  # pragma: no cover - GPU only
+            stream = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):  # warm up (allocations, autotuning) outside the graph
+                runner._round_core(**self._args(), g=g, flags=flags)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = runner._round_core(**self._args(), g=g, flags=flags)
+
+    def _args(self) -> dict[str, torch.Tensor]:
+        return dict(self.buf)
+
+    def _fill_padding(self) -> None:
+        self.buf["starts"].fill_(1)
+        self.buf["block_lens"].fill_(1)
+        self.buf["pending"].zero_()
+        self.buf["tables"].zero_()
+        self.buf["slot_ids"].fill_(self.runner.max_batch_size)  # the spare pending row
+
+    def run(self, inputs: dict[str, list], tables: list[list[int]], bs: int):
+        dev = self.runner.device
+        self._fill_padding()
+        for name, values in inputs.items():
+            src = torch.tensor(values, device=dev, dtype=self.buf[name].dtype)
+            self.buf[name][:bs].copy_(src)
+        rows = [p[: self.width] + [0] * (self.width - min(self.width, len(p))) for p in tables]
+        self.buf["tables"][:bs].copy_(torch.tensor(rows, dtype=torch.long, device=dev))
+        if self.capture:  # pragma: no cover - GPU only
+            self.graph.replay()
+            acc, emit, drafts = self.out
+        else:
+            acc, emit, drafts = self.runner._round_core(**self._args(), g=self.g, flags=self.flags)
+        return acc[:bs], emit[:bs], drafts[:bs]

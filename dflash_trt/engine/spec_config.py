@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The speculative configuration, with TensorRT-LLM's `DFlashDecodingConfig` field names and rules.
+
+- `max_draft_len` (K) must be set, > 0, and <= the drafter's block_size - 1 (TRT-LLM checks this at
+  its first draft forward; we check it at load).
+- `draft_len_schedule` {batch-size threshold: draft length}: for a batch of n running requests
+  the draft length is the value at the first key >= n; above the largest key speculation is
+  off (draft length 0). Keys >= 1, values in [0, K], the value at the smallest key == K.
+- `max_concurrency` N is shorthand for {N: K}; it is mutually exclusive with the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from dflash_trt.errors import ConfigError
+
+DECODING_TYPE = "DFlash"
+
+
+@dataclass
+class DFlashDecodingConfig:
+    """Mirror of `tensorrt_llm.llmapi.DFlashDecodingConfig` (the subset the embedded engine uses)."""
+
+    max_draft_len: int | None = None
+    speculative_model: str | None = None
+    draft_len_schedule: dict[int, int] | None = None
+    max_concurrency: int | None = None
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    decoding_type: str = field(default=DECODING_TYPE)
+
+    @classmethod
+    def from_any(cls, value: Any) -> DFlashDecodingConfig:
+        """Accept a dict (YAML `speculative_config`), an instance, or any object with the fields."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            data = dict(value)
+        else:
+            data = {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)}
+        if "speculative_model_dir" in data:  # TensorRT-LLM's accepted alias
+            data.setdefault("speculative_model", data.pop("speculative_model_dir"))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config.{unknown[0]}",
+                data[unknown[0]],
+                "is not a DFlashDecodingConfig field supported by the embedded engine",
+                hint=f"supported: {', '.join(sorted(known))}",
+            )
+        cfg = cls(**data)
+        cfg.validate()
+        return cfg
+
+    def validate(self, *, block_size: int | None = None) -> None:
+        if self.decoding_type != DECODING_TYPE:
+            raise ConfigError(
+                "speculative_config.decoding_type", self.decoding_type, "must be 'DFlash' in dflash-trt"
+            )
+        k = self.max_draft_len
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ConfigError(
+                "speculative_config.max_draft_len",
+                k,
+                "must be an integer > 0",
+                hint="set it to block_size - 1",
+            )
+        if block_size is not None and k > block_size - 1:
+            raise ConfigError(
+                "speculative_config.max_draft_len",
+                k,
+                f"exceeds the drafter's block_size - 1 = {block_size - 1}",
+                hint=f"lower max_draft_len to at most {block_size - 1}",
+            )
+        if self.max_concurrency is not None and self.draft_len_schedule is not None:
+            raise ConfigError(
+                "speculative_config.max_concurrency",
+                self.max_concurrency,
+                "and draft_len_schedule are mutually exclusive",
+                hint="keep one",
+            )
+        if self.max_concurrency is not None and (
+            isinstance(self.max_concurrency, bool)
+            or not isinstance(self.max_concurrency, int)
+            or self.max_concurrency < 1
+        ):
+            raise ConfigError(
+                "speculative_config.max_concurrency", self.max_concurrency, "must be an integer >= 1"
+            )
+        if self.draft_len_schedule is not None:
+            sched = {int(a): int(b) for a, b in dict(self.draft_len_schedule).items()}
+            if not sched:
+                raise ConfigError("speculative_config.draft_len_schedule", sched, "must not be empty")
+            for key, val in sched.items():
+                if key < 1 or val < 0 or val > k:
+                    raise ConfigError(
+                        f"speculative_config.draft_len_schedule[{key}]",
+                        val,
+                        f"keys must be >= 1 and values in [0, max_draft_len={k}]",
+                    )
+            first = sched[min(sched)]
+            if first != k:
+                raise ConfigError(
+                    f"speculative_config.draft_len_schedule[{min(sched)}]",
+                    first,
+                    f"the value at the smallest batch size must equal max_draft_len={k}",
+                )
+            self.draft_len_schedule = dict(sorted(sched.items()))
+
+    def schedule(self) -> dict[int, int] | None:
+        assert self.max_draft_len is not None
+        if self.draft_len_schedule is not None:
+            return self.draft_len_schedule
+        if self.max_concurrency is not None:
+            return {self.max_concurrency: self.max_draft_len}
+        return None
+
+    def draft_len_for(self, batch_size: int) -> int:
+        """Draft length for `batch_size` running requests (0 = speculation off)."""
+        assert self.max_draft_len is not None
+        sched = self.schedule()
+        if sched is None:
+            return self.max_draft_len
+        for threshold, draft_len in sched.items():
+            if batch_size <= threshold:
+                return draft_len
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"decoding_type": self.decoding_type, "max_draft_len": self.max_draft_len}
+        for name in (
+            "speculative_model",
+            "draft_len_schedule",
+            "max_concurrency",
+            "mask_token_id",
+            "target_layer_ids",
+        ):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out

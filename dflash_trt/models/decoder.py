@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One pre-norm decoder covering Llama, Mistral, Qwen2, Qwen3 and gpt-oss, on a paged KV cache.
+
+A forward call takes a padded batch of new tokens per sequence, writes their K/V into the cache
+first, then attends over each sequence's cached positions (causal, optionally windowed, with
+gpt-oss attention sinks). Module names equal transformers' so checkpoints load by exact name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash_trt.engine.kv_cache import PagedKVCache
+from dflash_trt.engine.layers import visibility_mask
+from dflash_trt.engine.rope import RotaryEmbedding, apply_rope
+from dflash_trt.models.config import TargetConfig
+
+
+class Norm(nn.Module):
+    """RMSNorm, variance in fp32. gpt-oss applies the weight before casting back."""
+
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * h).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.o_bias)
+        self.q_norm = Norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = Norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
+        self.layer = layer
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: PagedKVCache,
+        slots: torch.Tensor,
+        ctx_index: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [bs, T, D]; cos/sin: [bs, T, d]; slots: [bs, T]; ctx_index: [bs, Lc]; mask: [bs, 1, T, Lc]."""
+        bs, t, _ = x.shape
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [bs, T, H, d]
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [bs, T, Hkv, d]
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer, slots.reshape(-1), k.reshape(bs * t, self.num_kv_heads, self.head_dim),
+                    v.reshape(bs * t, self.num_kv_heads, self.head_dim))  # fmt: skip
+        ck, cv = cache.gather(self.layer, ctx_index)  # [bs, Lc, Hkv, d]
+        qh, kh, vh = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
+        if self.sinks is None:
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
+            )
+        else:
+            # A sink is one extra key with zero value whose logit is a learned per-head constant:
+            # it takes softmax mass without contributing to the output.
+            zeros = kh.new_zeros(bs, self.num_kv_heads, 1, self.head_dim)
+            kh, vh = torch.cat([kh, zeros], dim=2), torch.cat([vh, zeros], dim=2)
+            bias = torch.zeros(bs, self.num_heads, t, mask.shape[-1], dtype=qh.dtype, device=qh.device)
+            bias = bias.masked_fill(~mask, float("-inf"))
+            sink = self.sinks.to(qh.dtype)[None, :, None, None].expand(bs, -1, t, 1)
+            out = F.scaled_dot_product_attention(
+                qh,
+                kh,
+                vh,
+                attn_mask=torch.cat([bias, sink], dim=-1),
+                scale=self.head_dim**-0.5,
+                enable_gqa=True,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(bs, t, self.num_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        d, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, i, bias=b)
+        self.up_proj = nn.Linear(d, i, bias=b)
+        self.down_proj = nn.Linear(i, d, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        self.weight = nn.Parameter(torch.zeros(cfg.moe.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(cfg.moe.num_experts))
+
+
+class Experts(nn.Module):
+    """gpt-oss experts: gate/up interleaved in one [E, D, 2I] matrix, clamped SwiGLU, biases."""
+
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        e, d, i = cfg.moe.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, d, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, d))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, d))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        self.top_k, self.alpha, self.limit = cfg.moe.top_k, cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])  # [N, D]
+        logits = F.linear(h, self.router.weight, self.router.bias)  # [N, E]
+        top_val, top_idx = torch.topk(logits, self.top_k, dim=-1)  # [N, k]
+        weights = torch.softmax(top_val, dim=-1)  # softmax over the chosen experts only
+        out = torch.zeros_like(h)
+        ex = self.experts
+        for e in torch.unique(top_idx).tolist():
+            rows, slot = torch.where(top_idx == e)
+            gate_up = h[rows] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [n, 2I]
+            gate = gate_up[:, ::2].clamp(max=self.limit)
+            up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+            y = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ ex.down_proj[e] + ex.down_proj_bias[
+                e
+            ]
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp: nn.Module = MoE(cfg) if cfg.moe is not None else DenseMLP(cfg)
+        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_fp32)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_fp32)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_fp32)
+
+
+class NativeTarget(nn.Module):
+    """Causal LM over the paged cache. Parameter names equal transformers' (`model.layers.0...`)."""
+
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary: RotaryEmbedding = RotaryEmbedding(
+            cfg.rope, cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings
+        )
+
+    def reset_rotary(self) -> None:
+        cfg = self.config
+        self.rotary = RotaryEmbedding(
+            cfg.rope, cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings
+        ).to(self.model.embed_tokens.weight.device)
+
+    def make_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
+        w = self.model.embed_tokens.weight
+        return PagedKVCache(
+            num_layers=self.config.num_hidden_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=w.dtype,
+            device=w.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cache: PagedKVCache,
+        slots: torch.Tensor,
+        ctx_index: torch.Tensor,
+        *,
+        tap_layers: Sequence[int] | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run new tokens and return (logits, taps).
+
+        input_ids/positions/slots: [bs, T] (padded rows point at the padding page);
+        seq_lens: [bs] = tokens in the cache after this call (keys at positions >= it are masked);
+        ctx_index: [bs, Lc] cache slots of positions 0..Lc-1 (Lc >= max seq_len);
+        logits_index: [bs] row to keep per sequence (prefill), else logits for every row [bs, T, V];
+        taps: [bs, T, K * D] concatenated outputs of `tap_layers` (hidden_states[l + 1] in HF terms).
+        """
+        bs, _ = input_ids.shape
+        lc = ctx_index.shape[1]
+        k_pos = torch.arange(lc, device=input_ids.device).expand(bs, lc)
+        k_valid = k_pos < seq_lens[:, None]
+        masks: dict[int | None, torch.Tensor] = {}
+        x = self.model.embed_tokens(input_ids)  # [bs, T, D]
+        cos, sin = self.rotary(positions, x.dtype)
+        wanted = set(tap_layers or ())
+        taps: dict[int, torch.Tensor] = {}
+        for i, module in enumerate(self.model.layers):
+            layer = cast(DecoderLayer, module)
+            window = self.config.layer_window(i)
+            if window not in masks:
+                masks[window] = visibility_mask(positions, k_pos, k_valid, causal=True, window=window)
+            x = x + layer.self_attn(
+                layer.input_layernorm(x), cos, sin, cache, slots, ctx_index, masks[window]
+            )
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted:
+                taps[i] = x
+        h = self.model.norm(x)
+        last = self.config.num_hidden_layers - 1
+        if last in taps:
+            # transformers' hidden_states[-1] is taken after the final norm; the reference drafters
+            # were trained on that, so a tap of the last layer is the normed state.
+            taps[last] = h
+        tap = torch.cat([taps[layer] for layer in tap_layers], dim=-1) if tap_layers else None
+        if logits_index is not None:
+            h = h[torch.arange(bs, device=h.device), logits_index]  # [bs, D]
+        return self.lm_head(h), tap

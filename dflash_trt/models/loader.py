@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Load a transformers checkpoint directory into a NativeTarget by exact parameter name.
+
+Handles tied embeddings, sharded safetensors and gpt-oss MXFP4 expert weights (`*_blocks` +
+`*_scales`, dequantized on load: E2M1 values, two per byte with the low nibble first, times
+2^(scale - 127) per 32-element block).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dflash_trt.engine.checkpoint import read_json, read_safetensors
+from dflash_trt.errors import CheckpointError
+from dflash_trt.models.config import TargetConfig, parse_target_config
+from dflash_trt.models.decoder import NativeTarget
+
+log = logging.getLogger(__name__)
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks: [..., rows, G, 16] uint8; scales: [..., rows, G] uint8 -> [..., G * 32, rows] (transposed
+    to the [in, out] layout of the bf16 gpt-oss experts)."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    lo = lut[(blocks & 0x0F).long()]
+    hi = lut[(blocks >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # [..., rows, G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None])
+    out = vals.flatten(-2)  # [..., rows, G * 32]
+    return out.transpose(-1, -2).contiguous().to(dtype)
+
+
+def load_native_target(path: str | Path, *, device: torch.device | str, dtype: torch.dtype) -> NativeTarget:
+    directory = Path(path)
+    cfg: TargetConfig = parse_target_config(read_json(directory / "config.json", what="target config"))
+    state = read_safetensors(directory, what="target weights")
+    for name in [n for n in state if n.endswith("_blocks")]:
+        base = name[: -len("_blocks")]
+        scales = state.pop(base + "_scales", None)
+        if scales is None:
+            raise CheckpointError(f"target weights: {name} has no matching {base}_scales", hint="re-download")
+        state[base] = dequantize_mxfp4(state.pop(name), scales, dtype)
+    for name in [n for n in state if n.endswith(_IGNORED_SUFFIXES)]:
+        state.pop(name)
+    with torch.device("meta"):
+        model = NativeTarget(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"target weights in {directory} do not match a {cfg.model_type} model: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}",
+            hint="the embedded engine supports unquantized or MXFP4 checkpoints of its listed families",
+        )
+    for name, tensor in expected.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"target tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(tensor.shape)}",
+                hint="config.json and the weights disagree",
+            )
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.reset_rotary()
+    return model.to(dtype=dtype).eval()

@@ -1,0 +1,369 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The embedded engine behind the LLM API: lossless continuous batching, streaming, cancellation,
+admission control and per-request errors (float32 CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+
+from dflash_trt import LLM, DFlashDecodingConfig, SamplingParams
+from dflash_trt.engine.checkpoint import load_drafter, save_drafter
+from dflash_trt.engine.generate import spec_generate
+from dflash_trt.engine.sampling import SamplingConfig
+from dflash_trt.engine.target import HFTarget
+from dflash_trt.errors import ConfigError, RequestError
+from tests.conftest import make_drafter, make_target
+
+BLOCK = 6
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A small-vocabulary target and a drafter that it often agrees with (acceptance > 1)."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_target("qwen3", seed=31, vocab=13)
+    target.save_pretrained(root / "target")
+    save_drafter(make_drafter(target, block_size=BLOCK, seed=32, std=0.5), root / "drafter")
+    return root / "target", root / "drafter", target
+
+
+def spec(ddir, **kw):
+    return {"decoding_type": "DFlash", "max_draft_len": BLOCK - 1, "speculative_model": str(ddir), **kw}
+
+
+def reference(pair, prompt, sp: SamplingParams, block=BLOCK):
+    """The batch-1 reference loop on the transformers target: the oracle for every request."""
+    _, ddir, model = pair
+    drafter = load_drafter(ddir)
+    temperature = 0.0 if sp.temperature is None else sp.temperature
+    cfg = SamplingConfig(temperature=temperature, top_k=sp.top_k or 0, top_p=sp.top_p or 1.0, seed=sp.seed)
+    return spec_generate(
+        HFTarget(model), drafter, prompt, max_new_tokens=sp.max_tokens, sampling=cfg, block_size=block
+    )
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(12) for _ in range(rng.randint(1, 30))]
+        kind = i % 4
+        if kind == 0:
+            sp = SamplingParams(max_tokens=rng.randint(3, 40))
+        elif kind == 1:
+            sp = SamplingParams(max_tokens=rng.randint(3, 40), temperature=0.8, seed=1000 + i)
+        elif kind == 2:
+            sp = SamplingParams(
+                max_tokens=rng.randint(3, 40), temperature=1.2, top_k=4, top_p=0.9, seed=2000 + i
+            )
+        else:
+            sp = SamplingParams(max_tokens=rng.randint(3, 40), temperature=0.0, seed=i)
+        out.append((prompt, sp))
+    return out
+
+
+@pytest.mark.parametrize("static_rounds", [False, True], ids=["eager", "static-padded"])
+def test_concurrent_requests_equal_single_request_reference(pair, static_rounds):
+    """Dozens of concurrent requests with different lengths and parameters: every request gets
+    exactly the tokens (and per-round acceptance) of the batch-1 reference loop."""
+    tdir, ddir, _ = pair
+    jobs = workload(28)
+    llm = LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=8, max_num_tokens=64, max_seq_len=128)
+    if static_rounds:  # padded static buffers: the exact path a CUDA graph would capture
+        llm.engine.runner.static_rounds = True
+        llm.engine.runner.graph_batch_sizes = (3, 8)
+    try:
+        handles = [llm.generate_async(p, sp, streaming=bool(i % 2)) for i, (p, sp) in enumerate(jobs)]
+        results = [h.result(timeout=120) for h in handles]
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    accepted = 0
+    for (prompt, sp), res in zip(jobs, results):
+        ref = reference(pair, prompt, sp)
+        out = res.outputs[0]
+        assert out.token_ids == ref.output_ids, (prompt, sp)
+        assert out.finish_reason == "length"
+        accepted += sum(ref.acceptance_lengths) - len(ref.acceptance_lengths)
+    assert accepted > 20, "drafts were rarely accepted: the comparison has no teeth"
+    assert stats["peak_active"] == 8 and stats["active"] == 0 and stats["waiting"] == 0
+    assert stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_speculative_stats_match_reference(pair):
+    tdir, ddir, _ = pair
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=4, max_seq_len=128) as llm:
+        jobs = workload(6, seed=3)
+        res = llm.generate(
+            [p for p, _ in jobs],
+            [SamplingParams(**{**vars(sp), "return_perf_metrics": True}) for _, sp in jobs],
+        )
+    for (prompt, sp), r in zip(jobs, res):
+        ref = reference(pair, prompt, sp)
+        m = r.outputs[0].request_perf_metrics.speculative_decoding
+        assert m.acceptance_lengths == ref.acceptance_lengths
+        assert m.num_rounds == ref.num_rounds
+        assert m.total_accepted_draft_tokens == ref.num_accepted_draft_tokens
+        assert m.total_draft_tokens >= m.total_accepted_draft_tokens
+        assert m.mean_acceptance_length == pytest.approx(ref.mean_acceptance_length)
+        timing = r.outputs[0].request_perf_metrics.timing_metrics
+        assert (
+            timing.arrival_time
+            <= timing.first_scheduled_time
+            <= timing.first_token_time
+            <= timing.last_token_time
+        )
+
+
+def test_plain_engine_equals_speculative_engine(pair):
+    tdir, ddir, _ = pair
+    jobs = [(p, sp) for p, sp in workload(12, seed=5) if sp.temperature in (None, 0.0)]
+    with LLM(str(tdir), max_batch_size=5, max_seq_len=128) as plain:
+        a = plain.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=5, max_seq_len=128) as llm:
+        b = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    assert [r.outputs[0].token_ids for r in a] == [r.outputs[0].token_ids for r in b]
+
+
+def test_schedule_turns_speculation_off_under_load(pair):
+    tdir, ddir, _ = pair
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    sp = SamplingParams(max_tokens=20, return_perf_metrics=True)
+    with LLM(
+        str(tdir), speculative_config=spec(ddir, max_concurrency=1), max_batch_size=4, max_seq_len=64
+    ) as llm:
+        res = llm.generate(prompts, sp)
+    for p, r in zip(prompts, res):
+        m = r.outputs[0].request_perf_metrics.speculative_decoding
+        assert m.total_draft_tokens == 0  # four in lockstep > max_concurrency: plain decoding
+        assert r.outputs[0].token_ids == reference(pair, p, sp).output_ids
+    with LLM(
+        str(tdir), speculative_config=spec(ddir, draft_len_schedule={2: 5, 4: 2}), max_batch_size=4
+    ) as llm:
+        res = llm.generate(prompts, sp)
+    for p, r in zip(prompts, res):
+        m = r.outputs[0].request_perf_metrics.speculative_decoding
+        assert max(m.acceptance_lengths) <= 3  # draft length 2 at batch 4
+        assert r.outputs[0].token_ids == reference(pair, p, sp).output_ids
+
+
+def test_draft_len_schedule_semantics():
+    c = DFlashDecodingConfig.from_any(
+        {"decoding_type": "DFlash", "max_draft_len": 4, "draft_len_schedule": {8: 2, 4: 4, 32: 1}}
+    )
+    assert [c.draft_len_for(n) for n in (1, 4, 5, 8, 9, 32, 33)] == [4, 4, 2, 2, 1, 1, 0]
+    m = DFlashDecodingConfig.from_any({"decoding_type": "DFlash", "max_draft_len": 3, "max_concurrency": 2})
+    assert [m.draft_len_for(n) for n in (1, 2, 3)] == [3, 3, 0]
+    bad = [
+        ({"max_draft_len": 0}, r"max_draft_len=0: must be an integer > 0"),
+        ({"max_draft_len": 4, "draft_len_schedule": {4: 3}}, r"value at the smallest batch size must equal"),
+        ({"max_draft_len": 4, "draft_len_schedule": {4: 4, 8: 5}}, r"draft_len_schedule\[8\]=5"),
+        ({"max_draft_len": 4, "max_concurrency": 2, "draft_len_schedule": {2: 4}}, r"mutually exclusive"),
+        ({"max_draft_len": 4, "decoding_type": "Eagle3"}, r"decoding_type='Eagle3'"),
+        (
+            {"max_draft_len": 4, "num_nextn": 1},
+            r"speculative_config.num_nextn=1: is not a DFlashDecodingConfig field",
+        ),
+    ]
+    for fields, pattern in bad:
+        with pytest.raises(ConfigError, match=pattern):
+            DFlashDecodingConfig.from_any({"decoding_type": "DFlash", **fields})
+
+
+def test_max_draft_len_beyond_block_is_refused(pair):
+    tdir, ddir, _ = pair
+    with pytest.raises(ConfigError, match=r"max_draft_len=6: exceeds the drafter's block_size - 1 = 5"):
+        LLM(str(tdir), speculative_config=spec(ddir, max_draft_len=6))
+    with pytest.raises(TypeError, match=r"unsupported argument 'enable_chunked_prefill'"):
+        LLM(str(tdir), enable_chunked_prefill=True)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2"):
+        LLM(str(tdir), tensor_parallel_size=2)
+
+
+def test_streaming_deltas_concatenate_to_final_output():
+    async def run():
+        with LLM(
+            "tiny",
+            speculative_config={"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"},
+        ) as llm:
+            prompts = ["def add(a, b):\n", "import os\n", "x = [1, 2, 3]\n", "class A:\n"]
+            handles = [
+                llm.generate_async(
+                    p,
+                    SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.7 * (i % 2), seed=i),
+                    streaming=True,
+                )
+                for i, p in enumerate(prompts)
+            ]
+
+            async def collect(h):
+                text, ids, chunks = "", [], 0
+                async for item in h:
+                    text += item.outputs[0].text_diff
+                    ids += item.outputs[0].token_ids_diff
+                    chunks += 1
+                    last = item
+                return text, ids, chunks, last
+
+            return await asyncio.gather(*(collect(h) for h in handles))
+
+    for text, ids, chunks, last in asyncio.run(run()):
+        assert last.finished and chunks >= 2
+        assert text == last.outputs[0].text
+        assert ids == last.outputs[0].token_ids and len(ids) == 48
+
+
+def test_sync_streaming_and_non_streaming_agree():
+    with LLM(
+        "tiny",
+        speculative_config={"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"},
+    ) as llm:
+        sp = SamplingParams(max_tokens=30, ignore_eos=True)
+        h = llm.generate_async("for i in range(", sp, streaming=True)
+        items = list(h)
+        final = llm.generate("for i in range(", sp)
+    assert "".join(i.outputs[0].text_diff for i in items) == final.outputs[0].text
+    assert items[-1].outputs[0].token_ids == final.outputs[0].token_ids
+
+
+def test_cancellation_frees_the_slot(pair):
+    tdir, ddir, _ = pair
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=1, max_seq_len=2000) as llm:
+        long = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=1900, ignore_eos=True), streaming=True)
+        queued = llm.generate_async([4, 5], SamplingParams(max_tokens=10))
+        it = iter(long)
+        first = next(it)
+        assert not first.finished
+        long.abort()
+        rest = list(it)
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "cancelled"
+        assert len(rest[-1].outputs[0].token_ids) < 1900
+        done = queued.result(timeout=60)  # the freed slot serves the queued request
+        assert done.outputs[0].finish_reason == "length"
+        time.sleep(0.05)
+        stats = llm.get_stats()
+        assert stats["active"] == 0 and stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_overload_queues_and_kv_admission(pair):
+    tdir, ddir, _ = pair
+    # 4 pages of 16 tokens: each request reserves 3 pages, so only one runs at a time
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=4, max_seq_len=256,
+             kv_cache_config={"max_tokens": 64}) as llm:  # fmt: skip
+        res = llm.generate([[i % 12 + 1] * 8 for i in range(6)], SamplingParams(max_tokens=30))
+        assert all(r.outputs[0].finish_reason == "length" for r in res)
+        assert llm.get_stats()["peak_active"] == 1
+        with pytest.raises(RequestError, match=r"needs 80 KV tokens but the whole cache holds 64"):
+            llm.generate([1] * 20, SamplingParams(max_tokens=60))
+    with LLM(str(tdir), max_batch_size=2, max_seq_len=64) as llm:
+        res = llm.generate([[3]] * 9, SamplingParams(max_tokens=10))
+        assert len(res) == 9 and llm.get_stats()["peak_active"] == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "pattern"),
+    [
+        ([1, 2], {"max_tokens": 0}, r"max_tokens=0 must be an integer >= 1"),
+        ([1, 2], {"max_tokens": -5}, r"max_tokens=-5"),
+        ([1, 2], {"top_p": 0.0, "temperature": 1.0}, r"top_p=0.0 must be in \(0, 1\]"),
+        ([1, 2], {"top_p": 1.5}, r"top_p=1.5"),
+        ([1, 2], {"temperature": -0.1}, r"temperature=-0.1 must be >= 0"),
+        ([1] * 64, {"max_tokens": 1}, r"prompt has 64 tokens, not below max_seq_len=64"),
+        (
+            [1] * 40,
+            {"max_tokens": 30},
+            r"max_tokens=30: prompt \(40 tokens\) \+ max_tokens exceeds max_seq_len=64",
+        ),
+        ([], {}, r"prompt is empty"),
+        ([1, 99], {}, r"prompt token id 99 is out of range for vocab_size=13"),
+        ([1], {"n": 2}, r"only one output per request"),
+        ([1], {"stop": "x"}, r"stop strings need a tokenizer"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(pair, prompt, kwargs, pattern):
+    tdir, ddir, _ = pair
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=2, max_seq_len=64) as llm:
+        with pytest.raises(RequestError, match=pattern):
+            llm.generate_async(prompt, SamplingParams(**kwargs))
+        ok = llm.generate([1, 2, 3], SamplingParams(max_tokens=5))
+        assert len(ok.outputs[0].token_ids) == 5
+
+
+def test_stop_strings_stop_ids_and_min_tokens():
+    with LLM(
+        "tiny",
+        speculative_config={"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"},
+    ) as llm:
+        free = llm.generate("def f(x):\n", SamplingParams(max_tokens=60, ignore_eos=True)).outputs[0]
+        stop = free.text[20:23]
+        cut = free.text.find(stop)
+        out = llm.generate(
+            "def f(x):\n", SamplingParams(max_tokens=60, ignore_eos=True, stop=[stop, "\x00never"])
+        ).outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == free.text[:cut]
+        assert out.token_ids == free.token_ids[: len(out.token_ids)]
+        incl = llm.generate(
+            "def f(x):\n",
+            SamplingParams(max_tokens=60, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+        ).outputs[0]
+        assert incl.text == free.text[: cut + len(stop)]
+        tok = free.token_ids[10]
+        first = free.token_ids.index(tok)
+        by_id = llm.generate(
+            "def f(x):\n", SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=[tok])
+        ).outputs[0]
+        assert by_id.token_ids == free.token_ids[: first + 1] and by_id.stop_reason == tok
+        later = [i for i, t in enumerate(free.token_ids) if t == tok and i + 1 >= first + 3]
+        delayed = llm.generate(
+            "def f(x):\n",
+            SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=[tok], min_tokens=first + 3),
+        ).outputs[0]
+        if later:
+            assert delayed.token_ids == free.token_ids[: later[0] + 1]
+        else:
+            assert delayed.finish_reason == "length"
+        whole = llm.generate(
+            "def f(x):\n", SamplingParams(max_tokens=20, ignore_eos=True, exclude_input_from_output=False)
+        ).outputs[0]
+        assert whole.text.startswith("def f(x):\n")
+
+
+def test_text_prompts_equal_token_prompts_and_tokenizer():
+    with LLM("tiny") as llm:
+        text = llm.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True)).outputs[0]
+        ids = llm.tokenizer("hello", add_special_tokens=False)["input_ids"]
+        tok = llm.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True)).outputs[0]
+    assert text.token_ids == tok.token_ids
+    assert text.text == llm.tokenizer.decode(text.token_ids, skip_special_tokens=True)
+
+
+def test_more_than_one_prompt_length_chunked_prefill(pair):
+    tdir, ddir, _ = pair
+    prompt = [i % 12 for i in range(150)]
+    with LLM(str(tdir), speculative_config=spec(ddir), max_num_tokens=32, max_seq_len=256) as llm:
+        out = llm.generate(prompt, SamplingParams(max_tokens=20)).outputs[0]
+    assert out.token_ids == reference(pair, prompt, SamplingParams(max_tokens=20)).output_ids
+
+
+@pytest.mark.gpu
+def test_cuda_graph_rounds_equal_eager_rounds(pair):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tdir, ddir, _ = pair
+    jobs = workload(12, seed=9)
+    outs = []
+    for eager in (True, False):
+        with LLM(str(tdir), speculative_config=spec(ddir), device="cuda", dtype="float32", enforce_eager=eager,
+                 max_batch_size=8, max_seq_len=128) as llm:  # fmt: skip
+            outs.append(
+                [r.outputs[0].token_ids for r in llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
+            )
+            if not eager:
+                assert llm.engine.runner._graphs and not llm.engine.runner._graph_failed
+    assert outs[0] == outs[1]
