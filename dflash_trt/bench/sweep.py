@@ -5,7 +5,7 @@ A run directory holds `summary.json` (configuration, environment, server, metric
 `points`), `requests.jsonl` (every request of every completed point, warm-up included and
 flagged) and `points.csv`. Each point is written as soon as it completes, so Ctrl-C keeps the
 completed points, and running the same command again skips them (resume). A directory that
-holds a run of another configuration is refused unless `overwrite=True`.
+holds a run of another configuration is refused; `overwrite=True` discards whatever it holds.
 
 Prompts: each point and phase draws from its own deterministic stream, keyed by the seed and the
 point, so warm-up prompts never repeat measured ones (no prefix-cache hits) and two runs with the
@@ -315,14 +315,14 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
         "definitions": DEFINITIONS,
         "points": [],
     }
-    if path.is_file():
+    if path.is_file() and not overwrite:
         try:
             old = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UsageError(
                 f"--out={out}: {path} is unreadable ({exc})", hint="pass a new --out, or --overwrite"
             ) from exc
-        if old.get("fingerprint") != fresh["fingerprint"] and not overwrite:
+        if old.get("fingerprint") != fresh["fingerprint"]:
             old_cfg = old.get("config") or {}
             new_cfg = cfg.fingerprint_fields()
             diff = [f"{k}: {old_cfg.get(k)!r} -> {v!r}" for k, v in new_cfg.items() if old_cfg.get(k) != v]
@@ -330,9 +330,6 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
                 f"--out={out} holds a run with another configuration ({'; '.join(diff[:6]) or 'fingerprint differs'})",
                 hint="pass a new --out, or --overwrite to discard the old run",
             )
-        if overwrite and old.get("fingerprint") != fresh["fingerprint"]:
-            (out / "requests.jsonl").unlink(missing_ok=True)
-            return RunState(out=out, summary=fresh)
         kept = {k: old[k] for k in ("created_at", "environment", "server", "workload") if k in old}
         state = RunState(out=out, summary={**fresh, **kept})
         state.done = {

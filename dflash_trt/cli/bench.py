@@ -273,7 +273,7 @@ _FIELD = {
     type=click.Path(file_okay=False),
     help="Run directory (resumed when it holds the same configuration).",
 )
-@click.option("--overwrite", is_flag=True, help="Discard a run of another configuration in --out.")
+@click.option("--overwrite", is_flag=True, help="Discard whatever run --out holds and start afresh.")
 @click.option(
     "--request-timeout",
     type=click.FloatRange(min=0.0, min_open=True),

@@ -112,6 +112,9 @@ def test_other_configuration_is_refused_unless_overwrite(scripted, tmp_path, byt
         summary = run_sweep(_cfg(server, out, byte_tokenizer_dir, concurrency=(1,), osl=5), overwrite=True)
     assert summary["points"][0]["output_tokens_mean"] == 5
     assert {r["output_tokens"] for r in _lines(out / "requests.jsonl")} == {5}
+    (out / "summary.json").write_text("{not json")
+    with pytest.raises(UsageError, match="is unreadable"):
+        run_sweep(_cfg(server, out, byte_tokenizer_dir, concurrency=(1,), osl=5))
 
 
 def test_orphan_request_lines_are_dropped_on_resume(scripted, tmp_path, byte_tokenizer_dir) -> None:
