@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Benchmarks: throughput-vs-interactivity sweeps, Pareto plots, comparisons.",
     ),
     "chart": ("dflash_trt.cli.chart:chart", "Lint or render the Helm chart with a bundle's values."),
+    "train-drafter": ("dflash_trt.cli.train:train_drafter", "Train a DFlash drafter for a target (z-lab checkpoint format)."),
 }
 
 
