@@ -200,3 +200,17 @@ def test_cuda_requested_without_cuda(tmp_models, capsys):
         capsys,
     )
     assert code == 3 and "CUDA is not available" in err
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_embedded_engine_equals_reference_loop(tmp_models, capsys, arch):
+    tdir, ddir = tmp_models(arch)
+    base = ["generate", "--target", str(tdir), "--drafter", str(ddir), "--prompt-ids", "4,8,15,16,23,42"]
+    base += ["--max-new-tokens", "20", "--json"]
+    outs = {}
+    for engine in ("embedded", "reference"):
+        code, out, err = run([*base, "--engine", engine], capsys)
+        assert code == 0, err
+        outs[engine] = json.loads(out)
+    assert outs["embedded"]["output_ids"] == outs["reference"]["output_ids"]
+    assert outs["embedded"]["acceptance_lengths"] == outs["reference"]["acceptance_lengths"]

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plot": "dflash_trt.cli.bench:plot",
     "compare": "dflash_trt.cli.bench:compare",
     "scripted-server": "dflash_trt.cli.bench:scripted_server",
+    "engine": "dflash_trt.cli.bench_engine:engine",
 }
 # Optional one-line help per subcommand (keeps `bench --help` from importing the module).
 SUBCOMMAND_HELP: dict[str, str] = {
@@ -33,6 +34,7 @@ SUBCOMMAND_HELP: dict[str, str] = {
     "plot": "Pareto frontiers (tokens/s/GPU vs tokens/s/user) of several runs: PNG or self-contained HTML.",
     "compare": "Run A vs run B: speedup at matched interactivity/throughput, cost, crossover concurrency.",
     "scripted-server": "A protocol-exact test server with a known token schedule (Triton HTTP/gRPC, OpenAI).",
+    "engine": "Offline embedded-engine benchmark: plain decoding vs DFlash across batch sizes.",
 }
 
 

@@ -71,6 +71,14 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
     show_default=True,
     help="auto: float32 on CPU, bfloat16 on CUDA.",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "embedded", "reference"]),
+    default="auto",
+    show_default=True,
+    help="embedded: the serving engine's native models; reference: the transformers-based reference "
+    "loop (the oracle); auto: embedded when the architecture is supported.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object on stdout.")
 def generate(
     target: str,
@@ -90,6 +98,7 @@ def generate(
     chat: bool,
     device: str,
     dtype: str,
+    engine: str,
     as_json: bool,
 ) -> None:
     """Generate with DFlash speculative decoding (or plain decoding with --no-draft).
@@ -153,30 +162,36 @@ def generate(
 
     dev = resolve_device(None if device == "auto" else device)
     dt = resolve_dtype(None if dtype == "auto" else dtype, dev)
-    tgt = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)
-    draft_model = None
-    if not no_draft and block_size != 1:
-        if models.drafter_dir is None:
-            raise UsageError(
-                f"no drafter for --target={target!r}",
-                hint="pass --drafter DIR, or --no-draft for plain decoding",
-            )
-        draft_model = load_drafter(
-            models.drafter_dir,
-            device=dev,
-            dtype=dt,
-            mask_token_id=resolve_mask_token_id(models.drafter_dir, tokenizer),
+    drafting = not no_draft and block_size != 1
+    if drafting and models.drafter_dir is None:
+        raise UsageError(
+            f"no drafter for --target={target!r}", hint="pass --drafter DIR, or --no-draft for plain decoding"
         )
-        validate_pair(draft_model.config, tgt.info, block_size=block_size)
-    result = spec_generate(
-        tgt,
-        draft_model,
-        ids,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        stop_token_ids=stops,
-        block_size=block_size,
+    mask_id = (
+        resolve_mask_token_id(models.drafter_dir, tokenizer) if drafting and models.drafter_dir else None
     )
+    if engine == "auto":
+        engine = "embedded" if _embedded_supports(models.target_dir) else "reference"
+    if engine == "embedded":
+        result = _run_embedded(
+            models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
+        )
+    else:
+        tgt = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)
+        draft_model = None
+        if drafting:
+            assert models.drafter_dir is not None
+            draft_model = load_drafter(models.drafter_dir, device=dev, dtype=dt, mask_token_id=mask_id)
+            validate_pair(draft_model.config, tgt.info, block_size=block_size)
+        result = spec_generate(
+            tgt,
+            draft_model,
+            ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop_token_ids=stops,
+            block_size=block_size,
+        )
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else None
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(text)) + "\n")
@@ -193,4 +208,79 @@ def generate(
         f"{result.mean_acceptance_length:.2f}, ttft {result.ttft_s * 1e3:.1f} ms, "
         f"decode {result.decode_s * 1e3:.1f} ms ({tps:.1f} tok/s), finish={result.finish_reason}",
         err=True,
+    )
+
+
+def _embedded_supports(target_dir) -> bool:
+    from dflash_trt.engine.checkpoint import read_json
+    from dflash_trt.errors import ConfigError
+    from dflash_trt.models.config import parse_target_config
+
+    try:
+        parse_target_config(read_json(target_dir / "config.json", what="target config"))
+    except ConfigError:
+        return False
+    return True
+
+
+def _run_embedded(
+    models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
+):
+    """One request through the serving engine (native models, paged caches, the same round code)."""
+    from dflash_trt.engine.checkpoint import check_runtime_block_size, load_drafter_config
+    from dflash_trt.engine.generate import GenerationResult
+    from dflash_trt.llmapi import LLM, SamplingParams
+
+    spec = None
+    b = 1
+    if drafting:
+        cfg = load_drafter_config(models.drafter_dir, mask_token_id=mask_id)
+        b = block_size or cfg.block_size
+        check_runtime_block_size(cfg, b)
+        spec = {
+            "decoding_type": "DFlash",
+            "max_draft_len": b - 1,
+            "speculative_model": str(models.drafter_dir),
+        }
+        if mask_id is not None:
+            spec["mask_token_id"] = mask_id
+    llm = LLM(
+        str(models.target_dir),
+        tokenizer=tokenizer,
+        speculative_config=spec,
+        max_batch_size=1,
+        max_num_tokens=max(256, len(ids)),
+        max_seq_len=len(ids) + max_new_tokens + 1,
+        device=dev.type,
+        dtype=str(dt).removeprefix("torch."),
+    )
+    try:
+        sp = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop_token_ids=list(stops),
+            ignore_eos=True,  # the CLI already resolved the stop ids (eos included unless --ignore-eos)
+            greedy_draft=sampling.greedy_draft,
+            return_perf_metrics=True,
+            detokenize=False,
+        )
+        out = llm.generate(ids, sp).outputs[0]  # type: ignore[union-attr]
+    finally:
+        llm.shutdown()
+    m = out.request_perf_metrics
+    assert m is not None
+    t = m.timing_metrics
+    assert t.first_token_time is not None and t.last_token_time is not None
+    return GenerationResult(
+        output_ids=list(out.token_ids),
+        acceptance_lengths=list(m.speculative_decoding.acceptance_lengths),
+        ttft_s=(t.first_token_time - t.arrival_time).total_seconds(),
+        decode_s=(t.last_token_time - t.first_token_time).total_seconds(),
+        finish_reason=out.finish_reason or "length",
+        num_draft_tokens=m.speculative_decoding.total_draft_tokens,
+        num_accepted_draft_tokens=m.speculative_decoding.total_accepted_draft_tokens,
+        block_size=b,
     )

@@ -177,14 +177,15 @@ class LLMEngine:
 
     def _plan_pages(self, dtype: torch.dtype) -> int:
         cfg = self.config
+        # Enough for max_batch_size requests of max_seq_len tokens each (reservations are per page).
+        full = cfg.max_batch_size * pages_for(cfg.max_seq_len, PAGE_SIZE) * PAGE_SIZE
         if cfg.kv_max_tokens is not None:
             tokens = cfg.kv_max_tokens
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * cfg.kv_free_memory_fraction) // self._bytes_per_token(dtype)
-            tokens = min(tokens, cfg.max_batch_size * (cfg.max_seq_len + self.block_size))
+            tokens = min(full, int(free * cfg.kv_free_memory_fraction) // self._bytes_per_token(dtype))
         else:
-            tokens = cfg.max_batch_size * (cfg.max_seq_len + self.block_size)
+            tokens = full
         pages = tokens // PAGE_SIZE
         if pages < 1:
             raise ConfigError(
