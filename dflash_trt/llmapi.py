@@ -484,9 +484,9 @@ class LLM:
         cfg = self.engine_config
         if not ids:
             raise RequestError("prompt is empty", hint="send at least one token")
-        bad = next((t for t in ids if not 0 <= t < eng.vocab_size), None)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < eng.vocab_size), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range for vocab_size={eng.vocab_size}")
+            raise RequestError(f"prompt_ids[{bad}]={ids[bad]}: out of range for vocab_size={eng.vocab_size}")
         if len(ids) >= cfg.max_seq_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens, not below max_seq_len={cfg.max_seq_len}",

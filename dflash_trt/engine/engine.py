@@ -205,9 +205,11 @@ class LLMEngine:
         """Validate and queue a request. Raises RequestError (naming the field) on bad input."""
         if not prompt_ids:
             raise RequestError("prompt is empty", hint="send at least one token or character")
-        bad = next((t for t in prompt_ids if not 0 <= int(t) < self.vocab_size), None)
+        bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range for vocab_size={self.vocab_size}")
+            raise RequestError(
+                f"prompt_ids[{bad}]={prompt_ids[bad]}: out of range for vocab_size={self.vocab_size}"
+            )
         n = len(prompt_ids)
         if (
             isinstance(params.max_tokens, bool)

@@ -280,7 +280,7 @@ def test_overload_queues_and_kv_admission(pair):
             r"max_tokens=30: prompt \(40 tokens\) \+ max_tokens exceeds max_seq_len=64",
         ),
         ([], {}, r"prompt is empty"),
-        ([1, 99], {}, r"prompt token id 99 is out of range for vocab_size=13"),
+        ([1, 99], {}, r"prompt_ids\[1\]=99: out of range for vocab_size=13"),
         ([1], {"n": 2}, r"only one output per request"),
         ([1], {"stop": "x"}, r"stop strings need a tokenizer"),
     ],
