@@ -1,0 +1,258 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The DFlash training objective (dflash-algorithm.md §7) over whole sequences.
+
+One sequence x_0..x_{S-1} has target features f_0..f_{S-1} (target layer outputs at
+`target_layer_ids`, computed once under no_grad) and a loss mask. Per step:
+  anchors   up to N positions a_n, drawn uniformly without replacement among p <= S - B with
+            loss_mask[p] = 1, sorted; padded blocks (fewer eligible positions) are invalid.
+  blocks    block n is [x_{a_n}, MASK x (B - 1)] at positions a_n .. a_n + B - 1 (one denoising
+            step: every non-anchor slot is MASK).
+  mask      queries are all N * B block slots; keys are [context 0..S-1 ; all N * B block slots].
+            Block n sees context keys t < a_n (strictly: the anchor's own feature does not exist
+            at inference) and the B keys of block n (bidirectionally), nothing else; an invalid
+            block sees nothing.
+  labels    slot j of block n predicts x_{a_n + j}; weight 0 for j = 0, for a_n + j past the
+            sequence's end, or where loss_mask is 0; otherwise w_j = exp(-(j - 1) / gamma).
+  loss      sum(w * CE) / sum(w).
+The attention is computed block-sparsely (context part + own-block part with one joint softmax),
+which equals dense attention under `block_mask` exactly but needs O(N B (S + B)) memory instead of
+O(N B (S + N B)). For one anchor the result equals the inference pass (`DFlashDrafter.forward_block`
+over a context cache filled up to the anchor): same modules, same positions, same keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch.nn import functional as F
+
+from dflash_trt.engine.drafter import DFlashDrafter, DraftLayer
+from dflash_trt.engine.rope import apply_rope
+
+LOGIT_CHUNK_ROWS = 8192  # rows of LM-head logits materialised at once in the loss
+
+
+@dataclass
+class BlockBatch:
+    """Anchors and targets of one batch. bs sequences, N blocks each, block size B."""
+
+    anchors: torch.Tensor  # [bs, N] long: a_n (0 for invalid blocks)
+    valid: torch.Tensor  # [bs, N] bool: the block exists
+    labels: torch.Tensor  # [bs, N, B] long: x_{a_n + j} (0 where it does not exist)
+    weights: torch.Tensor  # [bs, N, B] float: w_j, 0 where there is no loss
+
+    @property
+    def block_size(self) -> int:
+        return self.labels.shape[-1]
+
+
+def eligible_anchor_positions(loss_mask: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """loss_mask: [S] -> positions p <= length - B with loss_mask[p] = 1, as [E] long."""
+    last = length - block_size
+    if last < 0:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(loss_mask[: last + 1].bool(), as_tuple=False).flatten()
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, *, length: int, block_size: int, num_anchors: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Up to `num_anchors` distinct eligible positions, uniformly at random, sorted: [n <= N] long."""
+    pos = eligible_anchor_positions(loss_mask.cpu(), length, block_size)
+    if pos.numel() > num_anchors:
+        pos = pos[torch.randperm(pos.numel(), generator=generator)[:num_anchors]]
+    return pos.sort().values
+
+
+def make_block_batch(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: list[torch.Tensor],
+    *,
+    block_size: int,
+    gamma: float,
+    num_blocks: int | None = None,
+) -> BlockBatch:
+    """input_ids, loss_mask: [bs, S]; lengths: [bs]; anchors: bs tensors [n_i] (sorted) -> BlockBatch
+    with N = num_blocks or max n_i blocks per sequence (the rest padded as invalid)."""
+    bs, _ = input_ids.shape
+    device = input_ids.device
+    n = num_blocks if num_blocks is not None else max((a.numel() for a in anchors), default=0)
+    n = max(n, 1)
+    anchor_t = torch.zeros(bs, n, dtype=torch.long, device=device)
+    valid = torch.zeros(bs, n, dtype=torch.bool, device=device)
+    for i, a in enumerate(anchors):
+        anchor_t[i, : a.numel()] = a.to(device)
+        valid[i, : a.numel()] = True
+    j = torch.arange(block_size, device=device)  # [B]
+    pos = anchor_t[:, :, None] + j  # [bs, N, B]
+    in_seq = pos < lengths.to(device)[:, None, None]
+    safe = pos.clamp(max=input_ids.shape[1] - 1).flatten(1)  # [bs, N * B]
+    labels = torch.gather(input_ids, 1, safe).view(bs, n, block_size)
+    masked = torch.gather(loss_mask.to(device).bool(), 1, safe).view(bs, n, block_size)
+    decay = torch.exp(-(j.float() - 1) / gamma)  # [B]; slot 0 is zeroed below
+    keep = in_seq & masked & valid[:, :, None] & (j > 0)
+    weights = torch.where(keep, decay, torch.zeros_like(decay))
+    labels = torch.where(in_seq & valid[:, :, None], labels, torch.zeros_like(labels))
+    return BlockBatch(anchors=anchor_t, valid=valid, labels=labels, weights=weights)
+
+
+def block_mask(anchors: torch.Tensor, valid: torch.Tensor, *, seq_len: int, block_size: int) -> torch.Tensor:
+    """The dense training mask, straight from its definition (tests and the dense reference).
+
+    anchors, valid: [bs, N] -> [bs, N * B, S + N * B] bool: query (n, j) sees context key t iff the
+    block is valid and t < a_n, and block key (m, i) iff the block is valid and m == n.
+    """
+    bs, n = anchors.shape
+    device = anchors.device
+    t = torch.arange(seq_len, device=device)
+    ctx = (t[None, None, :] < anchors[:, :, None]) & valid[:, :, None]  # [bs, N, S]
+    ctx = ctx[:, :, None, :].expand(bs, n, block_size, seq_len).reshape(bs, n * block_size, seq_len)
+    blk_id = torch.arange(n, device=device).repeat_interleave(block_size)  # [N * B]
+    own = blk_id[:, None] == blk_id[None, :]  # [N * B, N * B]
+    row_valid = valid.repeat_interleave(block_size, dim=1)  # [bs, N * B]
+    blk = own[None] & row_valid[:, :, None]
+    return torch.cat([ctx, blk], dim=2)
+
+
+def _visibility(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, base: torch.Tensor, *, causal: bool, window: int | None
+) -> torch.Tensor:
+    """Apply a layer's causal / sliding-window rule on top of `base` (same semantics as
+    engine.layers.visibility_mask). q_pos: [..., Q, 1]; k_pos: [..., 1 or Q, K]; base: [..., Q, K]."""
+    vis = base
+    if causal:
+        vis = vis & (k_pos <= q_pos)
+    if window is not None:
+        vis = vis & (q_pos - k_pos < window)
+        if not causal:
+            vis = vis & (k_pos - q_pos < window)
+    return vis
+
+
+def _attend(
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    ctx_vis: torch.Tensor,
+    blk_vis: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Block-sparse attention with one softmax over [visible context ; own block].
+
+    q: [bs, N, B, H, d]; k_ctx, v_ctx: [bs, S, Hkv, d]; k_blk, v_blk: [bs, N, B, Hkv, d];
+    ctx_vis: [bs, N, B, S]; blk_vis: [bs, N, B, B] (query slot j, key slot i). -> [bs, N, B, H, d]
+    """
+    bs, n, b, h, d = q.shape
+    hkv = k_ctx.shape[2]
+    g = h // hkv
+    qg = q.reshape(bs, n, b, hkv, g, d)
+    s_ctx = torch.einsum("bnjkgd,btkd->bkgnjt", qg, k_ctx) * scale  # [bs, Hkv, g, N, B, S]
+    s_blk = torch.einsum("bnjkgd,bnikd->bkgnji", qg, k_blk) * scale  # [bs, Hkv, g, N, B, B]
+    neg = torch.finfo(torch.float32).min
+    s_ctx = s_ctx.float().masked_fill(~ctx_vis[:, None, None], neg)
+    s_blk = s_blk.float().masked_fill(~blk_vis[:, None, None], neg)
+    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(q.dtype)
+    s = k_ctx.shape[1]
+    out = torch.einsum("bkgnjt,btkd->bnjkgd", p[..., :s], v_ctx) + torch.einsum(
+        "bkgnji,bnikd->bnjkgd", p[..., s:], v_blk
+    )
+    return out.reshape(bs, n, b, h, d)
+
+
+def training_forward(
+    drafter: DFlashDrafter,
+    features: torch.Tensor,
+    input_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """All N blocks of every sequence in one pass.
+
+    features: [bs, S, K * D] target layer outputs; input_ids: [bs, S]; anchors, valid: [bs, N].
+    Returns the final-normed hidden states [bs, N, B, D] (slot j predicts x_{a_n + j}).
+    """
+    bs, s = input_ids.shape
+    n = anchors.shape[1]
+    b = drafter.block_size
+    device = input_ids.device
+    c = drafter.fuse_context(features)  # [bs, S, D]
+    ctx_pos = torch.arange(s, device=device)
+    ctx_cos, ctx_sin = drafter.rotary(ctx_pos, c.dtype)  # [S, d]
+    slot = torch.arange(b, device=device)
+    blk_pos = anchors[:, :, None] + slot  # [bs, N, B]
+    block_ids = torch.full((bs, n, b), drafter.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    x = drafter.embed_block(block_ids.view(bs, n * b)).view(bs, n, b, -1)  # [bs, N, B, D]
+    cos, sin = drafter.rotary(blk_pos, x.dtype)  # [bs, N, B, d]
+    # Base visibility: context strictly before the anchor; the own block. Invalid blocks see
+    # their own block only, so no softmax row is empty (their outputs carry zero weight).
+    ctx_base = (ctx_pos[None, None, None, :] < anchors[:, :, None, None]) & valid[:, :, None, None]
+    ctx_base = ctx_base.expand(bs, n, b, s)  # [bs, N, B, S]
+    blk_base = torch.ones(bs, n, b, b, dtype=torch.bool, device=device)
+    vis: dict[tuple[bool, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in drafter.layers:
+        layer = cast(DraftLayer, module)
+        key = (layer.causal, layer.window)
+        if key not in vis:
+            q_pos = blk_pos[..., None]  # [bs, N, B, 1]
+            vis[key] = (
+                _visibility(q_pos, ctx_pos.view(1, 1, 1, s), ctx_base, causal=key[0], window=key[1]),
+                _visibility(q_pos, blk_pos[:, :, None, :], blk_base, causal=key[0], window=key[1]),
+            )
+        attn = layer.self_attn
+        hs = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(hs).unflatten(-1, (attn.num_heads, attn.head_dim)))
+        q = apply_rope(q, cos, sin)  # [bs, N, B, H, d]
+        k_blk, v_blk = attn.project_kv(hs, cos, sin)  # [bs, N, B, Hkv, d]
+        k_ctx, v_ctx = attn.project_kv(c, ctx_cos, ctx_sin)  # [bs, S, Hkv, d]
+        out = _attend(q, k_ctx, v_ctx, k_blk, v_blk, *vis[key], attn.head_dim**-0.5)
+        x = x + attn.o_proj(out.flatten(-2))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+@dataclass
+class LossStats:
+    loss: float
+    weight: float  # sum of weights
+    acc: list[float]  # per slot j = 1..B-1: accuracy of argmax among supervised slots
+    tau: float  # 1 + mean accepted prefix over fully supervised blocks (greedy estimate)
+
+
+def dflash_loss(
+    drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch
+) -> tuple[torch.Tensor, LossStats]:
+    """hidden: [bs, N, B, D] -> (scalar loss = sum(w * CE) / sum(w), statistics)."""
+    sel = batch.weights > 0  # [bs, N, B]
+    h = hidden[sel]  # [M, D]
+    labels = batch.labels[sel]  # [M]
+    w = batch.weights[sel].float()  # [M]
+    total_w = w.sum()
+    if h.shape[0] == 0:
+        zero = hidden.sum() * 0.0
+        return zero, LossStats(0.0, 0.0, [0.0] * (batch.block_size - 1), 1.0)
+    losses = []
+    correct = []
+    for start in range(0, h.shape[0], LOGIT_CHUNK_ROWS):
+        logits = drafter.compute_logits(h[start : start + LOGIT_CHUNK_ROWS]).float()  # [m, V]
+        lab = labels[start : start + LOGIT_CHUNK_ROWS]
+        losses.append(F.cross_entropy(logits, lab, reduction="none"))
+        correct.append(logits.detach().argmax(-1) == lab)
+    ce = torch.cat(losses)
+    loss = (ce * w).sum() / total_w
+    hit = torch.zeros(sel.shape, dtype=torch.bool, device=hidden.device)
+    hit[sel] = torch.cat(correct)
+    with torch.no_grad():
+        per_slot = sel[..., 1:].sum(dim=(0, 1)).clamp(min=1)
+        acc = (hit[..., 1:].sum(dim=(0, 1)) / per_slot).tolist()
+        full = sel[..., 1:].all(dim=-1)  # [bs, N]: every slot supervised
+        prefix = hit[..., 1:].long().cumprod(dim=-1).sum(dim=-1)  # [bs, N]
+        tau = 1.0 + float(prefix[full].float().mean()) if bool(full.any()) else math.nan
+    return loss, LossStats(float(loss.detach()), float(total_w), acc, tau)
