@@ -34,6 +34,7 @@ helm-bin: $(STAMP) $(TOOLS)/helm/helm
 
 demo: $(STAMP)
 	$(PY) -m dflash_trt.demo
+	$(PY) -m dflash_trt.demo_serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests bench build

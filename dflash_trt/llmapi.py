@@ -10,6 +10,7 @@ and sync-iterable when streaming, and abortable.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import logging
@@ -399,6 +400,8 @@ class LLM:
         self._handles: dict[int, GenerationHandle] = {}
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {}
+        self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._rounds_seen = (0, 0.0)
         self._closed = False
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
@@ -475,6 +478,13 @@ class LLM:
         """Engine counters (waiting/active requests, KV pages, phase times)."""
         with self._stats_lock:
             return dict(self._stats)
+
+    def drain_round_times(self) -> list[float]:
+        """Durations (s) of the rounds run since the last call: one per engine step with a round."""
+        out = []
+        while self._round_times:
+            out.append(self._round_times.popleft())
+        return out
 
     # --- internals -----------------------------------------------------------------------------------
     def engine_validate(self, ids: list[int], params: Any) -> None:
@@ -562,9 +572,11 @@ class LLM:
                         if handle is None:
                             continue
                         handle._push(
-                            self._snapshot(handle, update.seq, update.text_delta, update.new_token_ids)
+                            self._snapshot(
+                                handle, update.seq, update.text_delta, update.new_token_ids, update
+                            )
                         )
-                        if update.seq.finished:
+                        if update.finished:
                             self._handles.pop(update.seq.request_id, None)
                 except Exception as exc:  # keep serving: fail what was in flight, reset the engine
                     log.exception("engine step failed")
@@ -620,17 +632,23 @@ class LLM:
         return None if t is None else datetime.timedelta(seconds=t - self._t0)
 
     def _snapshot(
-        self, handle: GenerationHandle, seq: Any, text_diff: str, ids_diff: list[int]
+        self, handle: GenerationHandle, seq: Any, text_diff: str, ids_diff: list[int], at: Any = None
     ) -> RequestOutput:
+        """The request as of update `at` (default: its current state)."""
         sp: SamplingParams = handle._sp  # type: ignore[attr-defined]
-        token_ids = list(seq.output_ids)
-        text = seq.text
+        n_tok = at.num_tokens if at is not None else len(seq.output_ids)
+        n_rounds = at.num_rounds if at is not None else len(seq.acceptance_lengths)
+        drafted = at.num_draft_tokens if at is not None else seq.num_draft_tokens
+        accepted = at.num_accepted_draft_tokens if at is not None else seq.num_accepted_draft_tokens
+        finished = at.finished if at is not None else seq.finished
+        token_ids = list(seq.output_ids[:n_tok])
+        text = seq.text[: at.text_len] if at is not None else seq.text
         if not sp.exclude_input_from_output:
             token_ids = list(seq.prompt_ids) + token_ids
             text = (handle.prompt or "") + text
         metrics = None
         if sp.return_perf_metrics:
-            rounds = len(seq.acceptance_lengths)
+            lengths = list(seq.acceptance_lengths[:n_rounds])
             metrics = RequestPerfMetrics(
                 timing_metrics=TimingMetrics(
                     arrival_time=self._td(seq.arrival_time) or datetime.timedelta(0),
@@ -639,22 +657,20 @@ class LLM:
                     last_token_time=self._td(seq.last_token_time),
                 ),
                 speculative_decoding=SpeculativeDecodingMetrics(
-                    acceptance_rate=(seq.num_accepted_draft_tokens / seq.num_draft_tokens)
-                    if seq.num_draft_tokens
-                    else 0.0,
-                    total_accepted_draft_tokens=seq.num_accepted_draft_tokens,
-                    total_draft_tokens=seq.num_draft_tokens,
-                    acceptance_lengths=list(seq.acceptance_lengths),
-                    mean_acceptance_length=(sum(seq.acceptance_lengths) / rounds) if rounds else 0.0,
-                    num_rounds=rounds,
+                    acceptance_rate=(accepted / drafted) if drafted else 0.0,
+                    total_accepted_draft_tokens=accepted,
+                    total_draft_tokens=drafted,
+                    acceptance_lengths=lengths,
+                    mean_acceptance_length=(sum(lengths) / n_rounds) if n_rounds else 0.0,
+                    num_rounds=n_rounds,
                 ),
             )
         comp = CompletionOutput(
             index=0,
             text=text if sp.detokenize else "",
             token_ids=token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            finish_reason=seq.finish_reason if finished else None,
+            stop_reason=seq.stop_reason if finished else None,
             text_diff=text_diff if sp.detokenize else "",
             token_ids_diff=list(ids_diff),
             request_perf_metrics=metrics,
@@ -664,10 +680,15 @@ class LLM:
             prompt=handle.prompt,
             prompt_token_ids=handle.prompt_token_ids,
             outputs=[comp],
-            finished=seq.finished,
+            finished=finished,
         )
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
+        rounds, seconds = stats["rounds"], stats["round_s"]
+        if rounds > self._rounds_seen[0]:
+            per = (seconds - self._rounds_seen[1]) / (rounds - self._rounds_seen[0])
+            self._round_times.extend([per] * (rounds - self._rounds_seen[0]))
+            self._rounds_seen = (rounds, seconds)
         with self._stats_lock:
             self._stats = stats

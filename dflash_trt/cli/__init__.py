@@ -29,7 +29,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Benchmarks: throughput-vs-interactivity sweeps, Pareto plots, comparisons.",
     ),
     "chart": ("dflash_trt.cli.chart:chart", "Lint or render the Helm chart with a bundle's values."),
-    "train-drafter": ("dflash_trt.cli.train:train_drafter", "Train a DFlash drafter for a target (z-lab checkpoint format)."),
+    "build": (
+        "dflash_trt.cli.build:build",
+        "Build a deployment bundle (TensorRT-LLM config, checkpoints, Triton repo, Helm).",
+    ),
+    "models": ("dflash_trt.cli.build:models", "List the published DFlash drafters and their targets."),
+    "serve": (
+        "dflash_trt.cli.serve:serve",
+        "Serve a bundle with a real Triton Inference Server (gRPC/HTTP/metrics).",
+    ),
+    "train-drafter": (
+        "dflash_trt.cli.train:train_drafter",
+        "Train a DFlash drafter for a target (z-lab checkpoint format).",
+    ),
 }
 
 

@@ -468,6 +468,11 @@ def load_drafter(
     directory = Path(path)
     cfg = load_drafter_config(directory, mask_token_id=mask_token_id)
     state = read_safetensors(directory, what="drafter weights")
+    from dflash_trt.engine.dequant import dequantize_state
+
+    state, quant = dequantize_state(state)  # FP8 weight-only drafters (dflash-trt build --quantize-drafter)
+    if quant:
+        log.info("drafter %s: %s weights dequantized on load", directory, quant)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     expected = model.state_dict()

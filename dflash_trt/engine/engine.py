@@ -83,9 +83,18 @@ class RequestParams:
 
 @dataclass
 class StepUpdate:
+    """One change to a request, with the request's state *as of this change* (a step can commit a
+    request twice: its prefill token and its first round)."""
+
     seq: Sequence
     new_token_ids: list[int]
     text_delta: str
+    num_tokens: int = 0
+    text_len: int = 0
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    finished: bool = False
 
 
 class LLMEngine:
@@ -385,7 +394,17 @@ class LLMEngine:
                 seq.detokenizer.flush()
                 seq.text = seq.detokenizer.text
             self._finish(seq, finish, stop_reason)
-        return StepUpdate(seq=seq, new_token_ids=tokens, text_delta=seq.text[len(old_text) :])
+        return StepUpdate(
+            seq=seq,
+            new_token_ids=tokens,
+            text_delta=seq.text[len(old_text) :],
+            num_tokens=len(seq.output_ids),
+            text_len=len(seq.text),
+            num_rounds=len(seq.acceptance_lengths),
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
+            finished=seq.finished,
+        )
 
     @staticmethod
     def _find_stop(seq: Sequence, old_len: int) -> tuple[str, int] | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.engine.checkpoint import read_json, read_safetensors
+from dflash_trt.engine.dequant import dequantize_state
 from dflash_trt.errors import CheckpointError
 from dflash_trt.models.config import TargetConfig, parse_target_config
 from dflash_trt.models.decoder import NativeTarget
@@ -48,6 +49,9 @@ def load_native_target(path: str | Path, *, device: torch.device | str, dtype: t
         state[base] = dequantize_mxfp4(state.pop(name), scales, dtype)
     for name in [n for n in state if n.endswith(_IGNORED_SUFFIXES)]:
         state.pop(name)
+    state, quant = dequantize_state(state)
+    if quant:
+        log.info("target %s: %s weights dequantized on load", directory, quant)
     with torch.device("meta"):
         model = NativeTarget(cfg)
     expected = model.state_dict()

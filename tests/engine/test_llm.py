@@ -367,3 +367,18 @@ def test_cuda_graph_rounds_equal_eager_rounds(pair):
             if not eager:
                 assert llm.engine.runner._graphs and not llm.engine.runner._graph_failed
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_requests_finishing_in_their_first_step(pair, streaming):
+    """Prefill and the first round commit in one step; a request that finishes there must still get
+    its final output (a regression: the handle was dropped after the prefill update)."""
+    tdir, ddir, _ = pair
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=4, max_seq_len=64) as llm:
+        for n in (1, 2, 3):
+            h = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=n), streaming=streaming)
+            items = list(h)
+            assert items[-1].finished and len(items[-1].outputs[0].token_ids) == n
+            if streaming:
+                counts = [len(i.outputs[0].token_ids) for i in items]
+                assert counts == sorted(counts) and counts[0] >= 1

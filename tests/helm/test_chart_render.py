@@ -221,7 +221,7 @@ def test_tiny_cpu_has_no_gpu_anything() -> None:
     assert "tolerations" not in spec and "affinity" not in spec
     assert container["resources"]["limits"] == {"memory": "4Gi"}
     init = spec["initContainers"][0]
-    assert init["args"] == ["--target", "tiny", "--out", "/models"]
+    assert init["args"] == ["--target", "tiny", "--output", "/models/bundle", "--force"]
     assert 'dflash-trt build "$@"' in init["command"][2]
     assert next(v for v in spec["volumes"] if v["name"] == "bundle") == {
         "name": "bundle",

@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Published z-lab DFlash drafters and their targets.
+
+Shapes and layer ids come from the drafters' config.json as read by third parties (see
+docs in the repository's shared notes); `build` always re-reads the real config.json, so a stale
+row here can only mislead `dflash-trt models`, never a build. Target ids for the newest families
+(Qwen3.5/3.6, Gemma-4, Kimi-K2.5) are marked unverified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.errors import EnvironmentMissing, UsageError
+
+FIXTURE_ENV = "DFLASH_TRT_CONFIG_DIR"  # <dir>/<org>--<name>/config.json pre-seeds configs (offline use)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # short lowercase name accepted by --target
+    target_id: str
+    drafter_id: str
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    draft_layers: int
+    hidden_size: int
+    attention: str  # full | "k SWA(w) + m full"
+    drafter_gib: float
+    family: str
+    notes: str = ""
+    verified_ids: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        return out
+
+
+def _e(name, target, drafter, b, ids, t, n, d, att, gib, family, notes="", verified=True) -> Entry:
+    return Entry(name, target, drafter, b, tuple(ids), t, n, d, att, gib, family, notes, verified)
+
+
+ENTRIES: tuple[Entry, ...] = (
+    _e("gpt-oss-120b", "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", 10, [1, 9, 17, 25, 33], 36, 8, 2880,
+       "full", 1.46, "gpt_oss", "MXFP4 target (~65 GB); q/k/v/o biases and yarn in the drafter; mask id 200000"),
+    _e("gpt-oss-20b", "openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", 8, [1, 6, 11, 16, 21], 24, 8, 2880,
+       "full", 1.46, "gpt_oss", "MXFP4 target; TensorRT-LLM's DFlash PR tested this pair"),
+    _e("qwen3-4b", "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", 16, [1, 9, 17, 25, 33], 36, 5, 2560, "full",
+       1.00, "qwen3", "trained without thinking: use enable_thinking=False (tau falls to 2-3 with thinking)"),
+    _e("qwen3-8b", "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", 16, [1, 9, 17, 25, 33], 36, 5, 4096, "full",
+       1.95, "qwen3", "trained without thinking: use enable_thinking=False (tau falls to 2-3 with thinking)"),
+    _e("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", 10,
+       [1, 8, 15, 22, 29], 32, 5, 4096, "full", 1.95, "llama", "gated target on Hugging Face (needs a token)"),
+    _e("qwen3-coder-30b-a3b", "Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", 16,
+       [1, 12, 23, 34, 45], 48, 8, 2048, "full", 0.88, "qwen3_moe", "MoE target"),
+    _e("qwen3-coder-next", "Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash", 16, [3, 11, 23, 35, 43],
+       48, 8, 2048, "full", 0.88, "qwen3_next", "hybrid target", verified=False),
+    _e("qwen3.5-4b", "Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", 16, [], 32, 6, 2560, "5 SWA(4096) + 1 full",
+       1.18, "qwen3_5", "needs thinking mode (collapses without); 8 tapped layers", verified=False),
+    _e("qwen3.5-9b", "Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", 16, [], 32, 6, 4096, "5 SWA + 1 full", 2.41,
+       "qwen3_5", "needs thinking mode; 8 tapped layers", verified=False),
+    _e("qwen3.5-27b", "Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", 16, [], 64, 6, 5120, "5 SWA + 1 full",
+       3.96, "qwen3_5", "needs thinking mode; degrades past ~4K context", verified=False),
+    _e("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", 16, [], 40, 6, 2048,
+       "5 SWA + 1 full", 0.72, "qwen3_5", "needs thinking mode; MoE target", verified=False),
+    _e("qwen3.5-122b-a10b", "Qwen/Qwen3.5-122B-A10B", "z-lab/Qwen3.5-122B-A10B-DFlash", 16, [], 48, 6, 3072,
+       "5 SWA + 1 full", 1.44, "qwen3_5", "needs thinking mode; MoE target", verified=False),
+    _e("qwen3.6-27b", "Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", 16, [1, 16, 31, 46, 61], 64, 5, 5120,
+       "4 SWA(2048) + 1 full", 3.22, "qwen3_6", "SWA drafter layers trained with windowed context",
+       verified=False),
+    _e("qwen3.6-35b-a3b", "Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", 16, [], 40, 6, 2048,
+       "5 SWA(4096) + 1 full", 0.72, "qwen3_6", "MoE target", verified=False),
+    _e("gemma-4-31b-it", "google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", 16, [1, 12, 23, 35, 46, 57], 60,
+       5, 5376, "4 SWA(2048) + 1 full", 2.86, "gemma4", "embedding scale: read input_embedding_scale",
+       verified=False),
+    _e("gemma-4-26b-a4b-it", "google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", 16, [], 30, 5, 2816,
+       "4 SWA(2048) + 1 full", 0.80, "gemma4", "MoE target; 6 tapped layers", verified=False),
+    _e("kimi-k2.5", "moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", 8, [], 61, 6, 7168, "full", 6.48, "kimi",
+       "1T-parameter MoE target (multi-node); 6 tapped layers", verified=False),
+)  # fmt: skip
+
+_BY_NAME = {e.name: e for e in ENTRIES}
+_BY_ID = {e.target_id.lower(): e for e in ENTRIES}
+
+
+def lookup(name: str) -> Entry | None:
+    """Short name (case-insensitive) or target HF id. An unknown `org/name` id is accepted as a
+    target without a registered drafter."""
+    key = name.lower()
+    if key in _BY_NAME:
+        return _BY_NAME[key]
+    if key in _BY_ID:
+        return _BY_ID[key]
+    if "/" in name and len(name.split("/")) == 2 and all(name.split("/")):
+        return Entry(
+            name.split("/")[1].lower(), name, "", 0, (), 0, 0, 0, "?", 0.0, "?", "unregistered target"
+        )
+    return None
+
+
+def _fixture(repo_id: str) -> Path | None:
+    root = os.environ.get(FIXTURE_ENV)
+    if not root:
+        return None
+    path = Path(root) / repo_id.replace("/", "--") / "config.json"
+    return path if path.is_file() else None
+
+
+def fetch_json(repo_id: str, filename: str, *, offline: bool) -> dict[str, Any] | None:
+    """A small JSON file of an HF repo: fixtures, then the local HF cache, then a download."""
+    fixture = _fixture(repo_id)
+    if fixture is not None:
+        path = fixture.parent / filename
+        return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    except ImportError as exc:  # pragma: no cover - huggingface_hub comes with transformers
+        raise EnvironmentMissing("huggingface_hub is needed to resolve Hugging Face ids") from exc
+    cached = try_to_load_from_cache(repo_id, filename)
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text())
+    if offline:
+        return None
+    try:
+        return json.loads(Path(hf_hub_download(repo_id, filename)).read_text())
+    except Exception as exc:
+        name = type(exc).__name__
+        if "EntryNotFound" in name or "404" in str(exc):
+            return None
+        raise EnvironmentMissing(
+            f"cannot download {repo_id}/{filename} ({name}: {str(exc).splitlines()[0][:160]})",
+            hint="check the network and HF_TOKEN, or use --offline with a pre-filled cache "
+            f"or ${FIXTURE_ENV}",
+        ) from exc
+
+
+def fetch_config(repo_id: str, *, offline: bool, what: str):
+    from dflash_trt.builder.resolve import ModelSource
+
+    cfg = fetch_json(repo_id, "config.json", offline=offline)
+    if cfg is None:
+        if offline:
+            raise UsageError(
+                f"{what} {repo_id}: config.json is not in the local cache and --offline forbids downloading",
+                hint=f"drop --offline, or put it in ${FIXTURE_ENV}/{repo_id.replace('/', '--')}/config.json",
+            )
+        raise UsageError(f"{what} {repo_id} has no config.json", hint="check the Hugging Face id")
+    index = fetch_json(repo_id, "model.safetensors.index.json", offline=offline)
+    extra = {}
+    if index and isinstance(index.get("metadata"), dict) and index["metadata"].get("total_size"):
+        extra["weights_bytes"] = int(index["metadata"]["total_size"])
+    return ModelSource(kind="hf", ref=repo_id, config=cfg, hf_id=repo_id, extra=extra)

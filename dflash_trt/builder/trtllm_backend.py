@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The TensorRT-LLM (PyTorch backend) plan: quantization choice, parallelism and memory checks,
+and the LLM-API config with TensorRT-LLM's exact field names.
+
+There is no engine to compile: TensorRT-LLM loads HF checkpoints (optionally ModelOpt-quantized)
+plus this config. `trtllm-build` and the TensorRT engine backend were removed upstream and never
+ran gpt-oss, so a bundle holds checkpoints (or references), `llm_api.yaml` and the Triton
+repository, never a TensorRT engine or a TensorRT plugin.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dflash_trt.builder.gpus import GpuProfile
+from dflash_trt.builder.llm_api import validate_llm_api
+from dflash_trt.builder.plan import CHECKPOINTS, MODEL_NAME, BuildPlan, BuildRequest, bundle_name
+from dflash_trt.builder.planner import (
+    MEMORY_UTILISATION,
+    TRTLLM_IMAGE,
+    TRTLLM_MIN_VERSION,
+    bytes_per_param,
+    common_sections,
+    estimate_params,
+    is_moe,
+    kv_bytes_per_token,
+    text_config,
+    triton_config,
+    weights_native_format,
+)
+from dflash_trt.builder.resolve import ResolvedPair
+from dflash_trt.engine.checkpoint import DFlashConfig
+from dflash_trt.errors import UsageError
+
+# ModelOpt 0.47 recipes and the TensorRT-LLM quant algo they produce.
+RECIPES = {
+    "fp8": ("FP8_DEFAULT_CFG", "FP8"),
+    "nvfp4": ("NVFP4_DEFAULT_CFG", "NVFP4"),
+}
+
+
+def choose_quant(req: BuildRequest, profile: GpuProfile, native: str, family: str) -> tuple[str, str]:
+    """(format, source): format in bf16|fp8|nvfp4|mxfp4; source native|modelopt|mxfp4-cast|checkpoint."""
+    q = req.quant
+    if native == "mxfp4":  # gpt-oss ships MXFP4 experts
+        if profile.mxfp4 == "none":
+            raise UsageError(
+                f"--gpu {profile.name} (sm{profile.sm}): TensorRT-LLM runs MXFP4 (gpt-oss) weights on Hopper "
+                "(W4A16, Triton MoE) and Blackwell only",
+                hint="use --gpu h100/h200 or a Blackwell profile",
+            )
+        if q in ("auto", "none"):
+            return "mxfp4", "native"
+        if q == "fp8":
+            raise UsageError(
+                "--quant fp8 for an MXFP4 checkpoint (gpt-oss) up-casts its 4-bit experts to 8 bits: about twice "
+                "the memory and no accuracy gain",
+                hint="keep the default (native MXFP4, with --kv-cache-dtype fp8), or --quant nvfp4 on Blackwell",
+            )
+        if not profile.nvfp4:
+            raise UsageError(
+                f"--quant nvfp4 on --gpu {profile.name} (sm{profile.sm}): NVFP4 W4A4 needs Blackwell (sm100+)",
+                hint="keep native MXFP4 on Hopper (W4A16 with the TRITON MoE backend)",
+            )
+        return "nvfp4", "mxfp4-cast"
+    if native in ("fp8", "nvfp4"):
+        if q not in ("auto", "none", native):
+            raise UsageError(
+                f"--quant {q}: the target checkpoint is already {native.upper()}", hint="use --quant auto"
+            )
+        _check_support(native, profile)
+        return native, "checkpoint"
+    if q == "none":
+        return "bf16", "checkpoint"
+    if q == "auto":
+        q = "nvfp4" if profile.nvfp4 else "fp8" if profile.fp8 else "none"
+        if q == "none":
+            return "bf16", "checkpoint"
+    _check_support(q, profile)
+    return q, "modelopt"
+
+
+def _check_support(fmt: str, profile: GpuProfile) -> None:
+    if fmt == "nvfp4" and not profile.nvfp4:
+        raise UsageError(
+            f"--quant nvfp4 on --gpu {profile.name} (sm{profile.sm}): NVFP4 W4A4 runs only on Blackwell "
+            "(sm100/103/120)",
+            hint="use --quant fp8 on Hopper, or --gpu b200/b300/gb200/gb300",
+        )
+    if fmt == "fp8" and not profile.fp8:
+        raise UsageError(
+            f"--quant fp8 on --gpu {profile.name}: FP8 compute needs sm89 or newer",
+            hint="use --quant none on this GPU",
+        )
+
+
+def check_parallelism(req: BuildRequest, cfg: dict[str, Any], profile: GpuProfile) -> int:
+    t = text_config(cfg)
+    heads = int(t["num_attention_heads"])
+    kv = int(t.get("num_key_value_heads") or heads)
+    tp, ep = req.tp, req.ep
+    if heads % tp:
+        raise UsageError(
+            f"--tp={tp} does not divide the target's num_attention_heads={heads}",
+            hint=f"use a --tp among {[d for d in (1, 2, 4, 8, 16) if heads % d == 0]}",
+        )
+    if kv % tp and tp % kv:
+        raise UsageError(
+            f"--tp={tp} and num_key_value_heads={kv}: one must divide the other (KV heads are split or replicated)",
+            hint=f"use --tp {kv} or a divisor of {kv}",
+        )
+    if tp > profile.per_node and tp % profile.per_node:
+        raise UsageError(
+            f"--tp={tp} spans nodes of {profile.per_node} {profile.name} GPUs unevenly",
+            hint=f"use --tp <= {profile.per_node} or a multiple of {profile.per_node}",
+        )
+    experts = int(t.get("num_local_experts") or t.get("num_experts") or t.get("n_routed_experts") or 0)
+    if ep != 1:
+        if not experts:
+            raise UsageError(f"--ep={ep}: the target is not a mixture of experts", hint="drop --ep")
+        if tp % ep:
+            raise UsageError(
+                f"--ep={ep} must divide --tp={tp} (expert and tensor parallelism share the GPUs)"
+            )
+        if experts % ep:
+            raise UsageError(f"--ep={ep} does not divide the number of experts ({experts})")
+    return tp
+
+
+def memory_check(
+    pair: ResolvedPair, profile: GpuProfile, fmt: str, kv_dtype: str, limits: dict[str, int], tp: int
+) -> dict[str, Any]:
+    """Weights + KV cache for max_batch_size x max_seq_len per GPU vs the GPU's memory."""
+    cfg = pair.target.config
+    native = weights_native_format(cfg)
+    native_bytes = pair.target.extra.get("weights_bytes")
+    params = estimate_params(cfg)
+    if native_bytes and fmt == native:
+        weights = float(native_bytes)
+        source = "checkpoint index"
+    elif native_bytes and native == "bf16":
+        weights = float(native_bytes) * bytes_per_param(fmt) / 2.0
+        source = "checkpoint index, rescaled"
+    else:
+        weights = params * bytes_per_param(fmt)
+        source = "parameter estimate"
+    drafter_bytes = float((pair.drafter.extra.get("weights_bytes") if pair.drafter else 0) or 0)
+    if not drafter_bytes and pair.drafter is not None:
+        d = pair.drafter.config
+        hd = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
+        h, kvh, dd = (
+            int(d["num_attention_heads"]),
+            int(d.get("num_key_value_heads") or d["num_attention_heads"]),
+            int(d["hidden_size"]),
+        )
+        ids = (d.get("dflash_config") or {}).get("target_layer_ids") or [0] * int(d["num_hidden_layers"])
+        drafter_bytes = 2.0 * (
+            int(d["num_hidden_layers"])
+            * (2 * dd * h * hd + 2 * dd * kvh * hd + 3 * dd * int(d["intermediate_size"]))
+            + len(ids) * dd * dd
+        )
+    kv_tokens = limits["max_batch_size"] * limits["max_seq_len"]
+    kv = kv_bytes_per_token(cfg, kv_dtype, limits["max_seq_len"]) * kv_tokens
+    per_gpu = (weights + kv) / tp + drafter_bytes
+    budget = profile.memory_gb * 1e9 * MEMORY_UTILISATION
+    result = {
+        "weights_gb": round(weights / 1e9, 2),
+        "weights_source": source,
+        "drafter_gb": round(drafter_bytes / 1e9, 2),
+        "kv_cache_gb": round(kv / 1e9, 2),
+        "kv_tokens": kv_tokens,
+        "per_gpu_gb": round(per_gpu / 1e9, 2),
+        "budget_per_gpu_gb": round(budget / 1e9, 2),
+        "tp": tp,
+        "ok": per_gpu <= budget,
+    }
+    if not result["ok"]:
+        need_tp = next(
+            (n for n in (2, 4, 8, 16, 32, 64) if n > tp and (weights + kv) / n + drafter_bytes <= budget),
+            None,
+        )
+        fixes = []
+        if need_tp:
+            fixes.append(f"--tp {need_tp}")
+        fixes.append("lower --max-batch-size or --max-seq-len")
+        if fmt == "bf16":
+            fixes.append("--quant fp8")
+        raise UsageError(
+            f"memory: weights {result['weights_gb']} GB + KV {result['kv_cache_gb']} GB "
+            f"({kv_tokens} tokens, {kv_dtype}) over TP={tp} + drafter {result['drafter_gb']} GB = "
+            f"{result['per_gpu_gb']} GB per GPU > {result['budget_per_gpu_gb']} GB usable on {profile.name} "
+            f"({profile.memory_gb:g} GB x {MEMORY_UTILISATION})",
+            hint=" or ".join(fixes),
+        )
+    return result
+
+
+def plan_trtllm(
+    req: BuildRequest,
+    pair: ResolvedPair,
+    profile: GpuProfile,
+    dcfg: DFlashConfig,
+    block: int,
+    detected_count: int | None,
+) -> BuildPlan:
+    cfg = pair.target.config
+    t = text_config(cfg)
+    family = str(t.get("model_type") or cfg.get("model_type"))
+    native = weights_native_format(cfg)
+    fmt, source = choose_quant(req, profile, native, family)
+    kv_dtype = req.kv_cache_dtype
+    if kv_dtype == "auto":
+        kv_dtype = (
+            profile.kv_cache_dtype if family == "gpt_oss" else ("fp8" if fmt in ("fp8", "nvfp4") else "auto")
+        )
+    if kv_dtype == "fp8" and not profile.fp8:
+        raise UsageError(f"--kv-cache-dtype fp8 on --gpu {profile.name}: needs sm89+", hint="use auto")
+    tp = check_parallelism(req, cfg, profile)
+    gpus = tp
+    if detected_count is not None and gpus > detected_count:
+        raise UsageError(
+            f"--tp={tp} needs {tp} GPUs, nvidia-smi shows {detected_count}", hint=f"use --tp {detected_count}"
+        )
+    moe = is_moe(cfg)
+    max_seq = req.max_seq_len or min(int(t.get("max_position_embeddings") or 8192), 8192)
+    limits = {
+        "max_batch_size": req.max_batch_size or 64,
+        "max_seq_len": max_seq,
+        "max_num_tokens": req.max_num_tokens or (16384 if family == "gpt_oss" else 8192),
+    }
+    memory = memory_check(pair, profile, fmt, kv_dtype, limits, tp)
+
+    quantized = source in ("modelopt", "mxfp4-cast")
+    target_ref = f"{CHECKPOINTS}/target-{fmt}" if quantized else pair.target.ref
+    assert pair.drafter is not None
+    drafter_ref = f"{CHECKPOINTS}/drafter-fp8" if req.quantize_drafter else pair.drafter.ref
+    target, drafter, speculative = common_sections(
+        req, pair, dcfg, block, target_ref=target_ref, drafter_ref=drafter_ref
+    )
+
+    spec: dict[str, Any] = {
+        "decoding_type": "DFlash",
+        "max_draft_len": block - 1,
+        "speculative_model": drafter_ref,
+        # TensorRT-LLM fills these from the drafter's config.json only for local directories.
+        "mask_token_id": dcfg.mask_token_id,
+        "target_layer_ids": list(dcfg.target_layer_ids),
+    }
+    llm_api: dict[str, Any] = {
+        "model": target_ref,
+        "backend": "pytorch",
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": 1,
+        "max_batch_size": limits["max_batch_size"],
+        "max_num_tokens": limits["max_num_tokens"],
+        "max_seq_len": limits["max_seq_len"],
+        "kv_cache_config": {"dtype": kv_dtype, "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False},
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": limits["max_batch_size"]},
+        "enable_attention_dp": False,
+        "speculative_config": spec,
+        "trust_remote_code": True,
+    }
+    if moe:
+        llm_api["moe_expert_parallel_size"] = req.ep
+    if family == "gpt_oss" and profile.gpt_oss_moe_backend:
+        llm_api["moe_config"] = {"backend": profile.gpt_oss_moe_backend}
+    validation = {"llm_api": validate_llm_api(llm_api), "memory": memory}
+    validation["pair"] = {"ok": True, "block_size": block, "trained_block_size": dcfg.block_size}
+
+    algo = {"mxfp4": "W4A8_MXFP4_MXFP8" if profile.is_blackwell else "W4A16_MXFP4", "fp8": "FP8",
+            "nvfp4": "NVFP4", "bf16": "NO_QUANT"}[fmt]  # fmt: skip
+    recipe = None
+    if source == "modelopt":
+        recipe = RECIPES[fmt][0]
+    elif source == "mxfp4-cast":
+        recipe = "MXFP4 -> NVFP4 lossless cast (ModelOpt)"
+    quantization = {
+        "target": {
+            "format": fmt,
+            "source": source,
+            "recipe": recipe,
+            "trtllm_quant_algo": algo,
+            "kv_cache": kv_dtype,
+            "calibration": {"dataset": req.calib_data or "builtin", "samples": req.calib_samples}
+            if source == "modelopt"
+            else None,
+        },
+        "drafter": {"format": "fp8" if req.quantize_drafter else "checkpoint",
+                    "recipe": "weight-only FP8 (calibration-free)" if req.quantize_drafter else None},
+    }  # fmt: skip
+    weights_gb = memory["weights_gb"] + memory["drafter_gb"]
+    gpu = {
+        "profile": profile.name,
+        "count": gpus,
+        "tp": tp,
+        "ep": req.ep,
+        "per_node": profile.per_node,
+        "nodes": max(1, math.ceil(gpus / profile.per_node)),
+        "product_label": profile.product_label,
+        "memory_gb": profile.memory_gb,
+        "sm": profile.sm,
+        "bandwidth_tbs": profile.bandwidth_tbs,
+    }
+    serving = {
+        "model_name": MODEL_NAME,
+        "image": TRTLLM_IMAGE,
+        "startup_budget_s": int(600 + 25 * weights_gb),
+        "weights_gb": round(weights_gb, 2),
+        "engine": "tensorrt_llm",
+        "trtllm_min_version": TRTLLM_MIN_VERSION,
+    }
+    files = {
+        "manifest": "manifest.json",
+        "llm_api": "engine/llm_api.yaml",
+        "serve_script": "engine/serve-trtllm.sh",
+        "model_repository": "model_repository",
+        "helm_values": "helm-values.yaml",
+        "bench_plan": "bench-plan.yaml",
+        "readme": "BUNDLE.md",
+    }
+    notes = [
+        "TensorRT-LLM runs DFlash only in its PyTorch backend: this bundle holds checkpoints (or Hub "
+        "references) and an LLM-API config; no TensorRT engine or TensorRT plugin is built (trtllm-build and "
+        "the TensorRT engine backend were removed upstream, and never ran gpt-oss).",
+        f"needs TensorRT-LLM >= {TRTLLM_MIN_VERSION}",
+        "kv_cache_config.enable_block_reuse is off: whether prefix reuse keeps the DFlash draft context "
+        "consistent in TensorRT-LLM is unverified.",
+    ]
+    if source == "mxfp4-cast":
+        notes.append(
+            "serving an NVFP4-cast gpt-oss checkpoint in TensorRT-LLM is undocumented upstream [unverified]"
+        )
+    if req.quantize_drafter:
+        notes.append(
+            "TensorRT-LLM loading a quantized DFlash drafter is unverified; the embedded engine loads it"
+        )
+    return BuildPlan(
+        request=req,
+        name=bundle_name(req.target),
+        backend="trtllm",
+        target=target,
+        drafter=drafter,
+        speculative=speculative,
+        gpu=gpu,
+        quantization=quantization,
+        limits=limits,
+        llm_api=llm_api,
+        triton_config=triton_config("tensorrt_llm"),
+        serving=serving,
+        validation=validation,
+        files=files,
+        copies={},
+        notes=notes,
+    )

@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`dflash-trt serve`: a real Triton Inference Server for a bundle."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option(
+    "--bundle", required=True, type=click.Path(file_okay=False, path_type=Path), help="Bundle directory."
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
+@click.option("--ready-timeout", type=click.FloatRange(min=1), default=600, show_default=True,
+              help="Seconds to wait for the model to load.")  # fmt: skip
+@click.option(
+    "--no-draft", is_flag=True, help="Serve the bundle's target without the drafter (the AR baseline)."
+)
+@click.option("--log-verbose", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--quiet", is_flag=True, help="Do not forward the server log to stderr.")
+def serve(
+    bundle: Path,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    ready_timeout: float,
+    no_draft: bool,
+    log_verbose: int,
+    quiet: bool,
+) -> None:
+    """Start tritonserver on the bundle's model repository and wait for Ctrl-C / SIGTERM.
+
+    Uses the `tritonserver` on PATH (NGC images) or else the binary inside the nvidia-pytriton
+    wheel, so it runs for real on a CPU machine with a `torch` (embedded engine) bundle.
+
+    \b
+    Example:
+      dflash-trt build --target tiny --output /tmp/tiny && dflash-trt serve --bundle /tmp/tiny
+    """
+    import tempfile
+
+    from dflash_trt.bundle import bundle_path, load_manifest
+    from dflash_trt.errors import UsageError
+    from dflash_trt.triton.server import TritonServer
+
+    if len({http_port, grpc_port, metrics_port}) != 3:
+        raise UsageError(
+            f"ports must differ: --http-port={http_port} --grpc-port={grpc_port} --metrics-port={metrics_port}"
+        )
+    manifest = load_manifest(bundle)
+    repo = bundle_path(bundle, manifest, "model_repository")
+    env = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())}
+    tmp = None
+    if no_draft:
+        tmp = tempfile.TemporaryDirectory(prefix="dflash-nodraft-")
+        repo = _without_drafter(repo, Path(tmp.name))
+    server = TritonServer(
+        model_repository=repo.resolve(),
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        log_verbose=log_verbose,
+        extra_env=env,
+        forward_logs=not quiet,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        click.echo(f"starting tritonserver ({server.install.source if server.install else '?'}) for "
+                   f"{manifest['name']} [{manifest['backend']}{', no drafter' if no_draft else ''}]", err=True)  # fmt: skip
+        waited = server.wait_ready(ready_timeout)
+        click.echo(
+            f"ready in {waited:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
+            f"(model {manifest['serving']['model_name']})",
+            err=True,
+        )
+        while not stop.wait(0.5):
+            if server.proc is not None and server.proc.poll() is not None:
+                raise click.ClickException(
+                    f"tritonserver exited unexpectedly with code {server.proc.returncode}"
+                )
+        click.echo("stopping tritonserver", err=True)
+    finally:
+        code = server.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if tmp is not None:
+            tmp.cleanup()
+    sys.exit(0 if code in (0, None, -signal.SIGTERM) else 1)
+
+
+def _without_drafter(repo: Path, out: Path) -> Path:
+    """A copy of the repository whose model.yaml has no speculative_config."""
+    import shutil
+
+    import yaml
+
+    from dflash_trt.utils.io import dump_yaml
+
+    dest = out / "model_repository"
+    shutil.copytree(repo, dest)
+    for model_yaml in dest.glob("*/1/model.yaml"):
+        cfg = yaml.safe_load(model_yaml.read_text())
+        cfg.pop("speculative_config", None)
+        model_yaml.write_text("# --no-draft copy written by dflash-trt serve\n" + dump_yaml(cfg))
+    return dest

@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start a real `tritonserver` for a bundle: the binary on PATH (NGC containers), or else the one
+inside the PyPI wheel `nvidia-pytriton`.
+
+For the wheel's binary (facts checked on Debian 12 / Python 3.11, tritonserver 2.51):
+- a backend directory is assembled in a temporary directory: the wheel's python backend plus the
+  `triton_python_backend_stub` built for *this* interpreter's major.minor;
+- LD_LIBRARY_PATH puts the interpreter's LIBDIR first (else the stub may load a different
+  libpython), then the wheel's bundled libraries;
+- PATH starts with this interpreter's bin directory (the stub takes its Python prefix from the
+  first python3 on PATH).
+The server runs in its own process group, so stopping it takes its Python stub processes along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_trt.errors import DFlashTrtError, EnvironmentMissing
+
+
+@dataclass
+class TritonInstall:
+    binary: Path
+    backend_dir: Path | None  # None: the binary's default (NGC images)
+    env: dict[str, str]
+    source: str  # "PATH" | "nvidia-pytriton"
+    tmpdir: tempfile.TemporaryDirectory | None = None
+
+
+def locate_tritonserver() -> TritonInstall:
+    on_path = shutil.which("tritonserver")
+    if on_path and os.environ.get("DFLASH_TRT_USE_PYTRITON") != "1":
+        return TritonInstall(Path(on_path), None, {}, "PATH")
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    root = purelib / "pytriton" / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    if not binary.is_file():
+        raise EnvironmentMissing(
+            "no tritonserver: not on PATH and the nvidia-pytriton wheel is not installed",
+            hint="pip install 'dflash-trt[serve]' (nvidia-pytriton), or run inside an NGC Triton container",
+        )
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise EnvironmentMissing(f"nvidia-pytriton has no Python backend stub for Python {ver}",
+                                 hint="use Python 3.8-3.13")  # fmt: skip
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        raise EnvironmentMissing(
+            "this Python is not a shared build; the Triton Python stub needs libpython",
+            hint="use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)",
+        )
+    tmp = tempfile.TemporaryDirectory(prefix="dflash-triton-backends-")
+    backends = Path(tmp.name)
+    shutil.copytree(root / "backends", backends, dirs_exist_ok=True)
+    shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    libs = [p for p in (libdir, str(purelib / "nvidia_pytriton.libs")) if p]
+    env = {
+        "LD_LIBRARY_PATH": os.pathsep.join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    return TritonInstall(binary, backends, env, "nvidia-pytriton", tmp)
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver. Use as a context manager, or call start()/stop()."""
+
+    model_repository: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    forward_logs: bool = True
+    proc: subprocess.Popen | None = None
+    install: TritonInstall | None = None
+    logs: deque = field(default_factory=lambda: deque(maxlen=200))
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        assert self.install is not None
+        cmd = [
+            str(self.install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-cpu-metrics=true",
+            f"--log-verbose={self.log_verbose}",
+            "--exit-timeout-secs=30",
+        ]
+        if self.install.backend_dir is not None:
+            cmd.append(f"--backend-directory={self.install.backend_dir}")
+        return cmd
+
+    def start(self) -> TritonServer:
+        self.install = locate_tritonserver()
+        env = {**os.environ, **self.install.env, **self.extra_env}
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group: stop() reaches the Python stubs too
+            text=True,
+            bufsize=1,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.logs.append(line.rstrip())
+            if self.forward_logs:
+                sys.stderr.write(f"[tritonserver] {line}")
+                sys.stderr.flush()
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Poll /v2/health/ready; returns seconds waited. Raises with the last log lines on failure."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise DFlashTrtError(
+                    f"tritonserver exited with code {self.proc.returncode} before it was ready; last log lines: "
+                    + " | ".join(list(self.logs)[-8:]),
+                    hint="check the model repository and the server log above",
+                )
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise DFlashTrtError(
+                    f"tritonserver was not ready after {timeout:.0f} s; last log lines: "
+                    + " | ".join(list(self.logs)[-8:]),
+                    hint="raise --ready-timeout for large models, or check the log for a load error",
+                )
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 40.0) -> int | None:
+        """SIGTERM the process group, wait, then SIGKILL what is left. Idempotent."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # stragglers (stubs) in the group
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if self.install is not None and self.install.tmpdir is not None:
+            self.install.tmpdir.cleanup()
+            self.install.tmpdir = None
+        return proc.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

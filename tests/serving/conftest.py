@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real tritonserver fixtures (binary from the nvidia-pytriton wheel), on 127.0.0.1 and free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.triton_server
+
+HERE = Path(__file__).parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def build_bundle(out: Path, *extra: str) -> Path:
+    cmd = [sys.executable, "-m", "dflash_trt", "build", "--target", "tiny", "--output", str(out), *extra]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out
+
+
+def start_server(repo: Path, *, bundle: Path | None = None, env: dict[str, str] | None = None):
+    from dflash_trt.triton.server import TritonServer
+
+    http, grpc, metrics = free_ports(3)
+    extra = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle)} if bundle else {}
+    extra.update(env or {})
+    server = TritonServer(model_repository=repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                          extra_env=extra, forward_logs=False)  # fmt: skip
+    server.start()
+    try:
+        server.wait_ready(120)
+    except Exception:
+        print("\n".join(server.logs))
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory) -> Path:
+    return build_bundle(tmp_path_factory.mktemp("bundles") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_bundle):
+    srv = start_server(tiny_bundle / "model_repository", bundle=tiny_bundle)
+    yield srv
+    srv.stop()
+
+
+def http_generate(srv, body: dict, *, stream: bool = False, timeout: float = 60):
+    import httpx
+
+    url = f"{srv.http_url}/v2/models/tensorrt_llm/{'generate_stream' if stream else 'generate'}"
+    if not stream:
+        return httpx.post(url, json=body, timeout=timeout)
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def metric_value(srv, name: str) -> float:
+    import httpx
+
+    text = httpx.get(srv.metrics_url, timeout=10).text
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise AssertionError(f"metric {name} not exposed")
+    return total
+
+
+@pytest.fixture
+def stub_processes():
+    """PIDs of Python-backend stub processes (to prove that shutdown leaves none)."""
+
+    def list_stubs(repo: Path) -> list[int]:
+        out = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "triton_python_backend_stub" in cmd and str(repo) in cmd:
+                out.append(int(pid))
+        return out
+
+    return list_stubs

@@ -1,0 +1,317 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A real tritonserver (CPU, from the nvidia-pytriton wheel) serving the `tiny` bundle through our
+Python-backend model: HTTP and gRPC, streaming, metrics, bad requests, cancellation, queueing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.serving.conftest import build_bundle, http_generate, metric_value, start_server
+
+pytestmark = pytest.mark.triton_server
+
+PROMPT = "def fibonacci(n):\n"
+
+
+def cli_generate(prompt: str, n: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_trt", "generate", "--target", "tiny", "--prompt", prompt,
+         "--max-new-tokens", str(n), "--ignore-eos", "--json"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_http_generate_equals_cli_generate(server):
+    want = cli_generate(PROMPT, 24)
+    r = http_generate(server, {"text_input": PROMPT, "sampling_param_max_tokens": 24, "sampling_param_ignore_eos": True,
+                               "return_finish_reason": True, "sampling_param_return_perf_metrics": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text_output"] == want["text"]
+    assert body["num_output_tokens"] == len(want["output_ids"]) == 24
+    assert body["finish_reason"] == "length"
+    assert body["num_rounds"] == want["num_rounds"]
+    assert body["mean_acceptance_length"] == pytest.approx(want["mean_acceptance_length"])
+    assert body["total_draft_tokens"] >= body["total_accepted_draft_tokens"] >= 0
+    assert body["first_token_time_ns"] >= body["arrival_time_ns"] > 0
+
+
+def test_http_stream_accumulated_by_default_and_delta_on_request(server):
+    base = {
+        "text_input": PROMPT,
+        "sampling_param_max_tokens": 20,
+        "sampling_param_ignore_eos": True,
+        "streaming": True,
+    }
+    full = http_generate(server, {**base, "streaming": False}).json()["text_output"]
+    acc = http_generate(server, base, stream=True)
+    assert len(acc) >= 2
+    texts = [e["text_output"] for e in acc]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # NVIDIA's semantics: accumulated
+    assert texts[-1] == full
+    counts = [e["num_output_tokens"] for e in acc]
+    assert counts == sorted(counts) and counts[-1] == 20
+    delta = http_generate(server, {**base, "streaming_delta": True}, stream=True)
+    assert "".join(e["text_output"] for e in delta) == full
+
+
+def test_grpc_streaming_with_tritonclient(server):
+    import tritonclient.grpc as grpcclient
+
+    results: list = []
+    done = threading.Event()
+
+    def callback(result, error):
+        results.append((result, error))
+        if error is not None or result.get_response().parameters.get("triton_final_response").bool_param:
+            done.set()
+
+    def tensor(name, value, dtype):
+        arr = np.array([value], dtype=dtype)
+        t = grpcclient.InferInput(
+            name, list(arr.shape), {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL"}[dtype]
+        )
+        t.set_data_from_numpy(arr)
+        return t
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=callback)
+    inputs = [
+        tensor("text_input", PROMPT.encode(), np.object_),
+        tensor("streaming", True, np.bool_),
+        tensor("sampling_param_max_tokens", 16, np.int32),
+        tensor("sampling_param_ignore_eos", True, np.bool_),
+        tensor("sampling_param_return_perf_metrics", True, np.bool_),
+    ]
+    client.async_stream_infer("tensorrt_llm", inputs, request_id="g1", enable_empty_final_response=True)
+    assert done.wait(60)
+    client.stop_stream()
+    client.close()
+    assert all(err is None for _, err in results)
+    data = [r for r, _ in results if r.as_numpy("text_output") is not None]
+    texts = [r.as_numpy("text_output")[0].decode() for r in data]
+    assert texts[-1] == http_generate(server, {"text_input": PROMPT, "sampling_param_max_tokens": 16,
+                                               "sampling_param_ignore_eos": True}).json()["text_output"]  # fmt: skip
+    assert data[-1].as_numpy("num_output_tokens")[0] == 16
+    assert data[-1].as_numpy("mean_acceptance_length")[0] >= 1.0
+
+
+def test_concurrent_clients(server):
+    prompts = [f"x{i} = " for i in range(12)]
+    expected = {p: http_generate(server, {"text_input": p, "sampling_param_max_tokens": 12,
+                                          "sampling_param_ignore_eos": True}).json()["text_output"] for p in prompts[:3]}  # fmt: skip
+    out: dict[str, str] = {}
+    errors: list = []
+
+    def worker(p):
+        try:
+            r = http_generate(
+                server, {"text_input": p, "sampling_param_max_tokens": 12, "sampling_param_ignore_eos": True}
+            )
+            assert r.status_code == 200, r.text
+            out[p] = r.json()["text_output"]
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(out) == len(prompts)
+    for p, text in expected.items():
+        assert out[p] == text  # batching does not change greedy output
+
+
+def test_metrics_endpoint_exposes_dflash_metrics(server):
+    http_generate(
+        server, {"text_input": PROMPT, "sampling_param_max_tokens": 10, "sampling_param_ignore_eos": True}
+    )
+    time.sleep(0.6)  # the engine-stats poller runs every 0.25 s
+    assert metric_value(server, "dflash_rounds_total") >= 9
+    before = metric_value(server, "dflash_output_tokens_total")
+    http_generate(
+        server, {"text_input": PROMPT, "sampling_param_max_tokens": 7, "sampling_param_ignore_eos": True}
+    )
+    assert (
+        metric_value(server, "dflash_output_tokens_total") - before == 7
+    )  # non-streaming requests count fully
+    assert metric_value(server, "dflash_draft_tokens_total") > 0
+    assert metric_value(server, "dflash_accepted_draft_tokens_total") >= 0
+    assert metric_value(server, "dflash_acceptance_length_count") >= 9
+    assert metric_value(server, "dflash_round_duration_seconds_count") >= 1
+    assert metric_value(server, "dflash_requests_active") == 0
+    assert metric_value(server, "dflash_requests_queued") == 0
+    assert metric_value(server, "nv_inference_request_success") >= 1
+
+
+@pytest.mark.parametrize(
+    ("body", "pattern"),
+    [
+        ({"sampling_param_max_tokens": 4}, "text_input is required"),
+        ({"text_input": "x", "sampling_param_max_tokens": 0}, "max_tokens=0 must be an integer >= 1"),
+        ({"text_input": "x", "sampling_param_max_tokens": 99999}, "exceeds max_seq_len=2048"),
+        ({"text_input": "x", "sampling_param_max_tokens": 4, "foo": 1}, "unknown parameter 'foo'"),
+        ({"text_input": "x", "sampling_param_top_p": 1.5}, r"top_p=1.5"),
+        ({"text_input": "x", "sampling_param_temperature": -1.0}, "temperature=-1.0 must be >= 0"),
+        ({"text_input": "", "sampling_param_max_tokens": 4}, "text_input is empty"),
+        (
+            {"text_input": "x", "return_cumulative_logprob": True},
+            "return_cumulative_logprob is not supported",
+        ),
+        (
+            {"text_input": "x", "sampling_param_frequency_penalty": 0.5},
+            "frequency_penalty=0.5 is not supported",
+        ),
+    ],
+)
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, pattern):
+    r = http_generate(server, body)
+    assert r.status_code == 400, r.text
+    assert pattern in r.json()["error"]
+    ok = http_generate(server, {"text_input": "ok", "sampling_param_max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def grpc_stream(server, inputs: list[tuple[str, object, str]], timeout: float = 60) -> list:
+    """Send one request on a gRPC stream; return [(result, error), ...] up to the final response."""
+    import tritonclient.grpc as grpcclient
+
+    numpy_types = {"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32}
+    out: list = []
+    done = threading.Event()
+
+    def callback(result, error):
+        out.append((result, error))
+        if error is not None or result.get_response().parameters.get("triton_final_response").bool_param:
+            done.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=callback)
+    tensors = []
+    for name, value, triton in inputs:
+        t = grpcclient.InferInput(name, [1], triton)
+        t.set_data_from_numpy(np.array([value], dtype=numpy_types[triton]))
+        tensors.append(t)
+    client.async_stream_infer("tensorrt_llm", tensors, enable_empty_final_response=True)
+    assert done.wait(timeout)
+    client.stop_stream()
+    client.close()
+    return out
+
+
+def test_wrong_dtypes_and_invalid_utf8(server):
+    import httpx
+
+    # a wrong datatype over gRPC: Triton rejects it before the model runs
+    out = grpc_stream(server, [("text_input", b"x", "BYTES"), ("sampling_param_max_tokens", 3.0, "FP32")])
+    assert out[-1][1] is not None and "data-type is 'FP32', but model 'tensorrt_llm' expects 'INT32'" in str(
+        out[-1][1]
+    )
+    # the generate extension's own JSON conversion: Triton answers an error before the model runs
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm/generate",
+                   json={"text_input": "x", "sampling_param_max_tokens": "ten"}, timeout=30)  # fmt: skip
+    assert r.status_code >= 400 and "parse" in r.json()["error"].lower()
+    # invalid UTF-8 bytes in text_input
+    out = grpc_stream(
+        server, [("text_input", b"\xff\xfe bad", "BYTES"), ("sampling_param_max_tokens", 3, "INT32")]
+    )
+    assert out[-1][1] is not None and "not valid UTF-8" in str(out[-1][1])
+    assert (
+        http_generate(server, {"text_input": "still up", "sampling_param_max_tokens": 3}).status_code == 200
+    )
+
+
+def test_client_disconnect_cancels_and_frees_the_slot(server):
+    import tritonclient.grpc as grpcclient
+
+    got = threading.Event()
+
+    def callback(result, error):
+        got.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=callback)
+    inputs = []
+    for name, value, dtype, triton in (("text_input", PROMPT.encode(), np.object_, "BYTES"),
+                                       ("streaming", True, np.bool_, "BOOL"),
+                                       ("sampling_param_max_tokens", 1900, np.int32, "INT32"),
+                                       ("sampling_param_ignore_eos", True, np.bool_, "BOOL")):  # fmt: skip
+        t = grpcclient.InferInput(name, [1], triton)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        inputs.append(t)
+    client.async_stream_infer("tensorrt_llm", inputs, request_id="long")
+    assert got.wait(60)
+    assert metric_value(server, "dflash_requests_active") == 1
+    t0 = time.monotonic()
+    client.stop_stream(cancel_requests=True)  # the client goes away mid-stream
+    client.close()
+    while metric_value(server, "dflash_requests_active") != 0:
+        assert time.monotonic() - t0 < 15, "the cancelled request still holds its slot"
+        time.sleep(0.1)
+    # 1900 tokens at ~100-300 tok/s would take several seconds more; the slot was freed early
+    time.sleep(0.6)
+    assert metric_value(server, "dflash_kv_cache_utilization") == 0
+    assert http_generate(server, {"text_input": "after", "sampling_param_max_tokens": 3}).status_code == 200
+
+
+@pytest.mark.slow
+def test_burst_beyond_max_batch_size_queues(tmp_path):
+    bundle = build_bundle(tmp_path / "b2", "--max-batch-size", "2")
+    srv = start_server(bundle / "model_repository", bundle=bundle)
+    try:
+        results: list = []
+        peak = [0.0]
+        stop = threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                peak[0] = max(peak[0], metric_value(srv, "dflash_requests_queued"))
+                time.sleep(0.05)
+
+        def worker(i):
+            r = http_generate(srv, {"text_input": f"burst {i}", "sampling_param_max_tokens": 150,
+                                    "sampling_param_ignore_eos": True}, timeout=300)  # fmt: skip
+            results.append(r.status_code)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stop.set()
+        poller.join()
+        assert results == [200] * 6
+        assert peak[0] >= 1, "six requests on two slots never queued"
+    finally:
+        srv.stop()
+
+
+def test_restart_leaves_no_stray_processes(tiny_bundle, stub_processes, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "own"  # a private copy: the session server's stub must not be counted
+    shutil.copytree(tiny_bundle, bundle)
+    repo = bundle / "model_repository"
+    for _ in range(2):
+        srv = start_server(repo, bundle=bundle)
+        assert stub_processes(repo), "the Python backend stub should be running"
+        assert http_generate(srv, {"text_input": "hi", "sampling_param_max_tokens": 2}).status_code == 200
+        code = srv.stop()
+        assert code == 0
+        assert srv.proc is not None and srv.proc.poll() is not None
+        deadline = time.monotonic() + 10
+        while stub_processes(repo) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not stub_processes(repo)
