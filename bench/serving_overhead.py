@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving overhead: requests/s of a bundle through a real Triton server vs the same engine
+in-process, at a fixed concurrency, plus the server's start time.
+
+    .venv/bin/python bench/serving_overhead.py --target tiny --concurrency 8 --requests 64 --max-tokens 64
+
+Both sides run the same requests (greedy, ignore_eos, fixed output length) from `concurrency`
+closed-loop workers. In-process: threads calling LLM.generate. Triton: the same number of HTTP
+clients calling /generate (non-streaming) and, separately, gRPC streaming clients. Overhead =
+1 - triton_rps / inprocess_rps. Prints its configuration next to its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def closed_loop(n_requests: int, concurrency: int, fn) -> float:
+    """Run fn(i) for i < n_requests from `concurrency` workers; return wall seconds."""
+    lock = threading.Lock()
+    nxt = [0]
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= n_requests:
+                return
+            try:
+                fn(i)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="tiny")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-draft", action="store_true")
+    args = ap.parse_args()
+
+    import httpx
+    import numpy as np
+    import torch
+    import tritonclient.grpc as grpcclient
+    import yaml
+
+    from dflash_trt import LLM, SamplingParams, __version__
+    from dflash_trt.triton.server import TritonServer
+
+    prompts = [f"def function_{i}(x):\n    " for i in range(args.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = Path(tmp) / "b"
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "dflash_trt", "build", "--target", args.target, "--output", str(bundle)],
+                       check=True, capture_output=True)  # fmt: skip
+        llm_args = yaml.safe_load((bundle / "engine/llm_api.yaml").read_text())
+        for key in ("model", "tokenizer"):
+            llm_args[key] = str(bundle / llm_args[key])
+        spec = llm_args.pop("speculative_config")
+        if not args.no_draft:
+            spec["speculative_model"] = str(bundle / spec["speculative_model"])
+            llm_args["speculative_config"] = spec
+
+        # in-process
+        llm = LLM(**llm_args)
+        sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(prompts[:2], sp)  # warm-up
+        inproc_s = closed_loop(args.requests, args.concurrency, lambda i: llm.generate(prompts[i], sp))
+        llm.shutdown()
+
+        # Triton
+        repo = bundle / "model_repository"
+        if args.no_draft:
+            from dflash_trt.cli.serve import _without_drafter
+
+            repo = _without_drafter(repo, Path(tmp) / "nd")
+        srv = TritonServer(repo, http_port=18100, grpc_port=18101, metrics_port=18102,
+                           extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle)}, forward_logs=False)  # fmt: skip
+        t0 = time.perf_counter()
+        srv.start()
+        try:
+            ready_s = srv.wait_ready(300)
+            start_s = time.perf_counter() - t0
+            client = httpx.Client(timeout=300)
+            url = f"{srv.http_url}/v2/models/tensorrt_llm/generate"
+
+            def http_req(i: int) -> None:
+                r = client.post(url, json={"text_input": prompts[i], "sampling_param_max_tokens": args.max_tokens,
+                                           "sampling_param_ignore_eos": True})  # fmt: skip
+                r.raise_for_status()
+
+            http_req(0)
+            http_s = closed_loop(args.requests, args.concurrency, http_req)
+
+            def grpc_req(i: int) -> None:
+                done = threading.Event()
+                err: list = []
+
+                def cb(result, error):
+                    if error is not None:
+                        err.append(error)
+                        done.set()
+                    elif result.get_response().parameters.get("triton_final_response").bool_param:
+                        done.set()
+
+                c = grpcclient.InferenceServerClient(srv.grpc_url)
+                c.start_stream(callback=cb)
+                ins = []
+                for name, val, dt, tt in (("text_input", prompts[i].encode(), np.object_, "BYTES"),
+                                          ("streaming", True, np.bool_, "BOOL"),
+                                          ("sampling_param_max_tokens", args.max_tokens, np.int32, "INT32"),
+                                          ("sampling_param_ignore_eos", True, np.bool_, "BOOL")):  # fmt: skip
+                    t = grpcclient.InferInput(name, [1], tt)
+                    t.set_data_from_numpy(np.array([val], dtype=dt))
+                    ins.append(t)
+                c.async_stream_infer("tensorrt_llm", ins, enable_empty_final_response=True)
+                done.wait(300)
+                c.stop_stream()
+                c.close()
+                if err:
+                    raise RuntimeError(err[0])
+
+            grpc_s = closed_loop(args.requests, args.concurrency, grpc_req)
+        finally:
+            srv.stop()
+
+    result = {
+        "config": {
+            "target": args.target,
+            "drafter": not args.no_draft,
+            "concurrency": args.concurrency,
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "machine": platform.machine(),
+            "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dflash_trt": __version__,
+            "date": time.strftime("%Y-%m-%d"),
+        },  # fmt: skip
+        "server_ready_s": round(ready_s, 2),
+        "server_start_to_ready_s": round(start_s, 2),
+        "inprocess_rps": round(args.requests / inproc_s, 2),
+        "triton_http_rps": round(args.requests / http_s, 2),
+        "triton_grpc_stream_rps": round(args.requests / grpc_s, 2),
+        "overhead_http": round(1 - inproc_s / http_s, 4),
+        "overhead_grpc_stream": round(1 - inproc_s / grpc_s, 4),
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
