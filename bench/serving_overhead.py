@@ -162,7 +162,7 @@ def main() -> int:
             "torch": torch.__version__,
             "dflash_trt": __version__,
             "date": time.strftime("%Y-%m-%d"),
-        },  # fmt: skip
+        },
         "server_ready_s": round(ready_s, 2),
         "server_start_to_ready_s": round(start_s, 2),
         "inprocess_rps": round(args.requests / inproc_s, 2),
