@@ -14,6 +14,7 @@ The server runs in its own process group, so stopping it takes its Python stub p
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -126,6 +127,9 @@ class TritonServer:
         return cmd
 
     def start(self) -> TritonServer:
+        """Start the server in its own process group. It is also stopped when this Python process
+        exits normally (atexit), so an exception between start() and stop() leaves no stray
+        tritonserver or Python stub behind."""
         self.install = locate_tritonserver()
         env = {**os.environ, **self.install.env, **self.extra_env}
         self.proc = subprocess.Popen(
@@ -138,6 +142,7 @@ class TritonServer:
             bufsize=1,
         )
         threading.Thread(target=self._pump, daemon=True).start()
+        atexit.register(self.stop)
         return self
 
     def _pump(self) -> None:
@@ -187,6 +192,7 @@ class TritonServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # stragglers (stubs) in the group
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        atexit.unregister(self.stop)
         if self.install is not None and self.install.tmpdir is not None:
             self.install.tmpdir.cleanup()
             self.install.tmpdir = None

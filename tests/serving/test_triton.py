@@ -306,9 +306,11 @@ def test_restart_leaves_no_stray_processes(tiny_bundle, stub_processes, tmp_path
     repo = bundle / "model_repository"
     for _ in range(2):
         srv = start_server(repo, bundle=bundle)
-        assert stub_processes(repo), "the Python backend stub should be running"
-        assert http_generate(srv, {"text_input": "hi", "sampling_param_max_tokens": 2}).status_code == 200
-        code = srv.stop()
+        try:
+            assert stub_processes(repo), "the Python backend stub should be running"
+            assert http_generate(srv, {"text_input": "hi", "sampling_param_max_tokens": 2}).status_code == 200
+        finally:
+            code = srv.stop()
         assert code == 0
         assert srv.proc is not None and srv.proc.poll() is not None
         deadline = time.monotonic() + 10
