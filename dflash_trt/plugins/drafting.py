@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine side of the plugin: the drafter's hot path and the acceptance step through `dflash::`.
+
+`DrafterPlugins` has the drafter's `inject_context` / `forward_block` signatures, so the model runner
+swaps it in without other changes. What runs where in a round with plugins on:
+  KV injection        dflash::inject_context (fc, hidden_norm, all layers' K/V, k_norm, RoPE, write)
+  block pass, per layer: input_layernorm, q/k/v projections, q_norm/k_norm, RoPE, o_proj, MLP stay
+                      PyTorch; the attention over [context ; block] is dflash::block_attention,
+                      reading the paged pools directly (no per-layer gather of the context)
+  acceptance          dflash::greedy_accept / dflash::rejection_accept
+On CUDA the ops run their Triton kernels; on CPU their PyTorch references (or, under
+TRITON_INTERPRET=1 with `_registry.set_triton_on_cpu(True)`, the interpreted kernels).
+
+The stacked K/V projection weights are a copy taken when the plugins are enabled: weights changed
+afterwards are not seen (the engine never changes them; rebuild `DrafterPlugins` if you do).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from dflash_trt.engine import verify
+from dflash_trt.engine.rope import apply_rope
+from dflash_trt.plugins import load_ops
+
+if TYPE_CHECKING:
+    from dflash_trt.engine.drafter import DFlashDrafter, DraftLayer
+    from dflash_trt.engine.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+AcceptFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class DrafterPlugins:
+    """A drafter's context injection and block pass on the dflash:: ops (same results as the drafter's
+    own methods up to floating-point reassociation; exactly the same math on CPU references)."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        load_ops()
+        from dflash_trt.plugins.context_kv import stack_kv_weights
+
+        self.drafter = drafter
+        layers = [cast("DraftLayer", m) for m in drafter.layers]
+        attn = [layer.self_attn for layer in layers]
+        eps = {drafter.hidden_norm.eps, *(a.k_norm.eps for a in attn)}
+        if len(eps) != 1:  # pragma: no cover - one rms_norm_eps per checkpoint
+            raise ValueError(f"dflash::inject_context takes one eps; the drafter has {sorted(eps)}")
+        self.eps = eps.pop()
+        with torch.no_grad():
+            self.kv_weight, self.kv_bias = stack_kv_weights(
+                [a.k_proj.weight.detach() for a in attn],
+                [a.v_proj.weight.detach() for a in attn],
+                [None if a.k_proj.bias is None else a.k_proj.bias.detach() for a in attn],
+                [None if a.v_proj.bias is None else a.v_proj.bias.detach() for a in attn],
+            )  # [L * 2 * Hkv * d, D], [L * 2 * Hkv * d] | None
+            self.k_norm_weight = torch.stack([a.k_norm.weight.detach() for a in attn])  # [L, d]
+            # [d/2] float32: `model.to(bf16)` also casts the rotary buffer; upcasting it is exact and
+            # is what RotaryEmbedding computes with (fp32 positions * bf16 inv_freq -> fp32).
+            self.inv_freq = drafter.rotary.inv_freq.detach().float()
+
+    def inject_context(
+        self, cache: PagedKVCache, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """features: [N, K * D]; positions: [N]; slots: [N] (DFlashDrafter.inject_context)."""
+        if features.shape[0] == 0:
+            return
+        d = self.drafter
+        torch.ops.dflash.inject_context(
+            features,
+            positions,
+            slots,
+            d.fc.weight,
+            d.hidden_norm.weight,
+            self.kv_weight,
+            self.kv_bias,
+            self.k_norm_weight,
+            self.inv_freq,
+            float(d.rotary.attention_scaling),
+            self.eps,
+            cache.k,
+            cache.v,
+        )
+
+    def forward_block(
+        self,
+        cache: PagedKVCache,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_index: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        block_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """DFlashDrafter.forward_block with the attention on dflash::block_attention.
+
+        block_embeds: [bs, B, D]; block_positions: [bs, B], which must be ctx_lens + j (the engine's
+        layout: the block starts right after the context); ctx_index: [bs, Lc]; ctx_lens: [bs];
+        block_lens: [bs] or None (= B). Returns the final-normed hidden states [bs, B, D].
+        """
+        dr = self.drafter
+        bs, blk, _ = block_embeds.shape
+        if block_lens is None:
+            block_lens = torch.full((bs,), blk, dtype=torch.int64, device=block_embeds.device)
+        cos, sin = dr.rotary(block_positions, block_embeds.dtype)  # [bs, B, d]
+        x = block_embeds
+        for i, module in enumerate(dr.layers):
+            layer = cast("DraftLayer", module)
+            a = layer.self_attn
+            h = layer.input_layernorm(x)  # [bs, B, D]
+            q = a.q_norm(a.q_proj(h).unflatten(-1, (a.num_heads, a.head_dim)))  # [bs, B, H, d]
+            q = apply_rope(q, cos, sin)
+            k_blk, v_blk = a.project_kv(h, cos, sin)  # [bs, B, Hkv, d]
+            o = torch.ops.dflash.block_attention(
+                q,
+                k_blk,
+                v_blk,
+                cache.k[i],
+                cache.v[i],
+                ctx_index,
+                ctx_lens,
+                block_lens,
+                layer.causal,
+                layer.window or 0,
+                a.head_dim**-0.5,
+            )  # [bs, B, H, d]
+            x = x + a.o_proj(o.reshape(bs, blk, a.num_heads * a.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return dr.norm(x)
+
+    # the rest of the drafter is unchanged
+    def embed_block(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self.drafter.embed_block(block_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter.compute_logits(hidden)
+
+
+# --- acceptance with verify.py's signatures --------------------------------------------------------
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify.greedy_accept on dflash::greedy_accept: draft_tokens [N, g]; target_logits [N, g+1, V];
+    valid [N, g] | None -> (accepted [N], emitted [N])."""
+    n, g = draft_tokens.shape
+    if valid is None:
+        valid = torch.ones(n, g, dtype=torch.bool, device=draft_tokens.device)
+    seq_lens = torch.zeros(n, dtype=torch.int64, device=draft_tokens.device)  # new lengths unused here
+    acc, emit, _, _ = torch.ops.dflash.greedy_accept(draft_tokens, target_logits, valid, seq_lens)
+    return acc, emit
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_emit: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify.rejection_accept on dflash::rejection_accept (same shapes; float32 probabilities)."""
+    n, g = draft_tokens.shape
+    if valid is None:
+        valid = torch.ones(n, g, dtype=torch.bool, device=draft_tokens.device)
+    seq_lens = torch.zeros(n, dtype=torch.int64, device=draft_tokens.device)
+    acc, emit, _, _ = torch.ops.dflash.rejection_accept(
+        draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens
+    )
+    return acc, emit
+
+
+# --- enabling in the runner -----------------------------------------------------------------------
+def enable_plugins(
+    drafter: DFlashDrafter | None, device: torch.device, *, check: bool | None = None
+) -> tuple[DrafterPlugins | None, AcceptFn, AcceptFn]:
+    """(drafting, greedy_accept, rejection_accept) for the model runner.
+
+    check (default: on CUDA) runs every op once on the device against its reference with the
+    drafter's real sizes; a failure (a kernel that does not compile for this GPU, or disagrees) logs a
+    warning and returns the PyTorch path instead of taking the engine down.
+    """
+    plugins = DrafterPlugins(drafter) if drafter is not None else None
+    if check if check is not None else device.type == "cuda":
+        problem = self_check(drafter, device)
+        if problem is not None:
+            log.warning("dflash plugin disabled, using the PyTorch path: %s", problem)
+            return None, verify.greedy_accept, verify.rejection_accept
+    log.info("dflash plugin on (%s): inject_context, block_attention, greedy/rejection accept", device)
+    return plugins, greedy_accept, rejection_accept
+
+
+def self_check(drafter: DFlashDrafter | None, device: torch.device) -> str | None:
+    """Run each op on `device` (Triton on CUDA) against its reference on small random inputs of the
+    drafter's sizes. Returns None when all agree, else a description of the first problem."""
+    from dflash_trt.plugins import accept, block_attention, context_kv
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    try:
+        n, g, vocab = 3, 3, 1000
+        logits = rand(n, g + 1, vocab)
+        drafts = logits[:, :g].argmax(-1)
+        drafts[1, 1] = (drafts[1, 1] + 1) % vocab  # one rejection
+        valid = torch.ones(n, g, dtype=torch.bool, device=device)
+        lens = torch.arange(n, device=device)
+        got = torch.ops.dflash.greedy_accept(drafts, logits, valid, lens)
+        want = accept.greedy_accept_reference(drafts, logits, valid, lens)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            return "dflash::greedy_accept disagrees with its reference"
+        p = torch.softmax(rand(n, g + 1, vocab), -1)
+        q = torch.softmax(rand(n, g, vocab), -1)
+        ua, ue = torch.rand(n, g, generator=gen).to(device), torch.rand(n, g + 1, generator=gen).to(device)
+        got = torch.ops.dflash.rejection_accept(drafts, q, p, ua, ue, valid, lens)
+        want = accept.rejection_accept_reference(drafts, q, p, ua, ue, valid, lens)
+        if not all(torch.equal(a, b) for a, b in zip(got[:1], want[:1])):
+            return "dflash::rejection_accept disagrees with its reference"
+        if drafter is None:
+            return None
+        cfg = drafter.config
+        dtype = drafter.fc.weight.dtype
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        h, hkv, d, bq = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
+        page, pages = 16, 5
+        slots_total = (pages + 1) * page
+        kc, vc = rand(slots_total, hkv, d, dtype=dtype), rand(slots_total, hkv, d, dtype=dtype)
+        tables = torch.arange(1, pages + 1, device=device).reshape(1, pages).expand(2, pages)
+        ctx_index = (tables[:, :, None] * page + torch.arange(page, device=device)).reshape(2, -1)
+        ctx_lens = torch.tensor([pages * page - 3, 7], device=device)
+        blens = torch.tensor([bq, max(1, bq // 2)], device=device)
+        qb, kb, vb = (
+            rand(2, bq, h, d, dtype=dtype),
+            rand(2, bq, hkv, d, dtype=dtype),
+            rand(2, bq, hkv, d, dtype=dtype),
+        )
+        for li in range(cfg.num_hidden_layers):
+            causal, window = cfg.layer_is_causal(li), cfg.layer_window(li) or 0
+            args = (qb, kb, vb, kc, vc, ctx_index, ctx_lens, blens, causal, window, d**-0.5)
+            got_o = torch.ops.dflash.block_attention(*args).float()
+            want_o = block_attention.block_attention_reference(*args).float()
+            rows = torch.arange(bq, device=device)[None, :] < blens[:, None]
+            if not torch.allclose(got_o[rows], want_o[rows], atol=tol, rtol=tol):
+                return (
+                    f"dflash::block_attention (causal={causal}, window={window}) disagrees with its reference"
+                )
+        plug = DrafterPlugins(drafter)
+        num = 5
+        feats = rand(num, cfg.num_target_features * cfg.hidden_size, dtype=dtype)
+        pos = torch.arange(num, device=device) * 7
+        slot = torch.arange(num, device=device) + page
+        k1 = [
+            torch.zeros(slots_total, hkv, d, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+        ]
+        v1 = [torch.zeros_like(t) for t in k1]
+        k2 = [torch.zeros_like(t) for t in k1]
+        v2 = [torch.zeros_like(t) for t in k1]
+        common = (
+            feats, pos, slot, drafter.fc.weight, drafter.hidden_norm.weight, plug.kv_weight, plug.kv_bias,
+            plug.k_norm_weight, plug.inv_freq, float(drafter.rotary.attention_scaling), plug.eps,
+        )  # fmt: skip
+        torch.ops.dflash.inject_context(*common, k1, v1)
+        context_kv.inject_context_reference(*common, k2, v2)
+        for a, b in zip((*k1, *v1), (*k2, *v2)):
+            if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
+                return "dflash::inject_context disagrees with its reference"
+    except Exception as exc:  # a kernel that fails to compile or launch on this device
+        return f"{type(exc).__name__}: {exc}"
+    return None
