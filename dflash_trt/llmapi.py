@@ -277,7 +277,9 @@ class LLM:
     DFlashDecodingConfig with decoding_type 'DFlash', max_draft_len, speculative_model (a z-lab
     drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency.
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
-    enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases).
+    enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
+    (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
+    CUDA when triton is installed, False forces the PyTorch path).
     """
 
     def __init__(
@@ -295,6 +297,7 @@ class LLM:
         dtype: str = "auto",
         enforce_eager: bool = False,
         profile: bool = False,
+        use_plugins: bool | None = None,
         **kwargs: Any,
     ) -> None:
         for key, value in kwargs.items():
@@ -302,7 +305,7 @@ class LLM:
                 raise TypeError(
                     f"LLM() got an unsupported argument {key!r}; the embedded engine accepts: model, tokenizer, "
                     "speculative_config, max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, "
-                    f"cuda_graph_config, device, dtype, enforce_eager, profile, {', '.join(sorted(_ACCEPTED_NOOP))}"
+                    f"cuda_graph_config, device, dtype, enforce_eager, profile, use_plugins, {', '.join(sorted(_ACCEPTED_NOOP))}"
                 )
             allowed = _ACCEPTED_NOOP[key]
             if allowed is not None and value not in allowed:
@@ -375,6 +378,7 @@ class LLM:
             cuda_graphs=graphs,
             graph_batch_sizes=graph_sizes,
             profile=profile,
+            use_plugins=use_plugins,
         )
         eos = tuple(default_stop_token_ids(models.target_dir, tok))
         with torch.inference_mode():

@@ -50,6 +50,7 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] | None = None
     profile: bool = False
     static_rounds: bool = False  # padded static-buffer rounds without graphs (CPU tests)
+    use_plugins: bool | None = None  # dflash:: Triton ops for the drafter/accept; None = on for CUDA
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
@@ -154,6 +155,7 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             profile=config.profile,
             static_rounds=config.static_rounds,
+            use_plugins=config.use_plugins,
             **({"graph_batch_sizes": config.graph_batch_sizes} if config.graph_batch_sizes else {}),
         )
         self.waiting: deque[Sequence] = deque()

@@ -36,6 +36,7 @@ from dflash_trt.engine.sampling import (
     uniform,
 )
 from dflash_trt.engine.verify import greedy_accept, rejection_accept
+from dflash_trt.plugins import default_enabled
 
 if TYPE_CHECKING:
     from dflash_trt.engine.drafter import DFlashDrafter
@@ -82,9 +83,12 @@ class ModelRunner:
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES,
         profile: bool = False,
         static_rounds: bool = False,
+        use_plugins: bool | None = None,
     ) -> None:
         """static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
-        exercises exactly the padding a captured round sees; tests use it)."""
+        exercises exactly the padding a captured round sees; tests use it). use_plugins: run KV
+        injection, block attention and acceptance on the dflash:: custom ops (Triton kernels on CUDA,
+        PyTorch references on CPU); None = on for CUDA when triton is installed."""
         self.target = target
         self.drafter = drafter
         self.device = target.model.embed_tokens.weight.device
@@ -127,6 +131,12 @@ class ModelRunner:
         self.static_rounds = static_rounds or self.cuda_graphs
         self._graphs: dict[tuple, Any] = {}
         self._graph_failed = False
+        self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
+        self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
+        if use_plugins if use_plugins is not None else default_enabled(self.device):
+            from dflash_trt.plugins.drafting import enable_plugins
+
+            self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
 
     # ------------------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -176,7 +186,8 @@ class ModelRunner:
         )  # logits [bs, V]; taps [bs, t, K*D]
         if self.drafter is not None and taps is not None:
             assert self.draft_cache is not None
-            self.drafter.inject_context(self.draft_cache, taps[valid], pos[valid], slots[valid])
+            drafting = self.plugins or self.drafter
+            drafting.inject_context(self.draft_cache, taps[valid], pos[valid], slots[valid])
         done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(seqs, chunks)]
         firsts: list[int | None] = [None] * bs
         if any(done):
@@ -291,7 +302,7 @@ class ModelRunner:
             ctx_ok = r[None, :] < pending[:, None]
             ctx_slots = torch.where(ctx_ok, slot_mapping(tables, ctx_pos.clamp(0, cap), ps), 0)
             feats = self.pending[slot_ids]  # [bs, w, K*D]
-            self.drafter.inject_context(
+            (self.plugins or self.drafter).inject_context(
                 self.draft_cache,
                 feats.reshape(bs * w, -1),
                 ctx_pos.clamp(min=0).reshape(-1),
@@ -301,7 +312,7 @@ class ModelRunner:
             if g > 0:
                 block = torch.full((bs, bq), self.mask_token_id, dtype=torch.long, device=dev)
                 block[:, 0] = anchors
-                hidden = self.drafter.forward_block(
+                hidden = (self.plugins or self.drafter).forward_block(
                     self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, starts, block_lens
                 )  # [bs, Bq, D]
                 d_logits = self.drafter.compute_logits(hidden[:, 1:])  # [bs, g, V]
@@ -346,7 +357,7 @@ class ModelRunner:
         # 4. accept
         d_valid = j[None, 1:] < block_lens[:, None]  # [bs, g]: draft j+1 lies inside the block
         if all_greedy:
-            acc, emit = greedy_accept(drafts, logits, d_valid)
+            acc, emit = self._greedy_accept(drafts, logits, d_valid)
         else:
             vocab = logits.shape[-1]
             p = logits_to_probs(
@@ -359,7 +370,7 @@ class ModelRunner:
             ).reshape(bs, bq, vocab)
             if q_probs is None:
                 q_probs = p.new_zeros(bs, g, vocab)
-            acc, emit = rejection_accept(
+            acc, emit = self._rejection_accept(
                 drafts,
                 q_probs,
                 p,
