@@ -14,6 +14,9 @@ from typing import Any
 
 import pytest
 
+# One compute thread per process: the suite runs on 2 cores next to test servers and subprocesses,
+# and oversubscribed OpenMP threads made tiny-model tests ~30x slower. Subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -195,3 +195,18 @@ def test_speculative_sampling_preserves_target_distribution(sampling):
         accepted += res.num_accepted_draft_tokens
     assert accepted / (2 * runs) > 0.05, "drafts were (almost) never accepted: the test proves little"
     assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_rejection_rule_without_drafts_samples_p():
+    """g = 0 (speculation switched off by the schedule) must reduce to plain sampling of p."""
+    p = torch.softmax(torch.randn(1, 1, 7), -1).expand(20000, 1, 7)
+    seeds = torch.arange(20000, dtype=torch.int64)
+    acc, emit = rejection_accept(
+        torch.zeros(20000, 0, dtype=torch.long),
+        torch.zeros(20000, 0, 7),
+        p,
+        torch.zeros(20000, 0),
+        uniform(seeds, torch.ones(20000, 1, dtype=torch.long), PURPOSE_EMIT),
+    )
+    assert int(acc.max()) == 0
+    assert chi_square_p(torch.bincount(emit, minlength=7), p[0, 0]) > 1e-3

@@ -62,7 +62,9 @@ def rejection_accept(
     rows = torch.arange(n, device=draft_tokens.device)
     p_a = target_probs[rows, accepted]  # [N, V]
     # q after the last draft is zero: the bonus distribution is p itself.
-    q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [N, g + 1, V]
+    q_pad = torch.cat(
+        [draft_probs, draft_probs.new_zeros(n, 1, target_probs.shape[-1])], dim=1
+    )  # [N, g + 1, V]
     residual = (p_a - q_pad[rows, accepted]).clamp_min(0)  # [N, V]
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     dist = torch.where(empty, p_a, residual)

@@ -382,3 +382,20 @@ def test_requests_finishing_in_their_first_step(pair, streaming):
             if streaming:
                 counts = [len(i.outputs[0].token_ids) for i in items]
                 assert counts == sorted(counts) and counts[0] >= 1
+
+
+def test_sampled_requests_with_speculation_switched_off(pair):
+    """max_concurrency below the batch turns rounds into plain decoding (g = 0); sampled requests
+    must then equal plain sampling of the target with the same seeds (a regression: g = 0 crashed
+    the rejection rule)."""
+    tdir, ddir, model = pair
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    sps = [SamplingParams(max_tokens=15, temperature=0.9, top_p=0.95, seed=70 + i) for i in range(4)]
+    with LLM(
+        str(tdir), speculative_config=spec(ddir, max_concurrency=1), max_batch_size=4, max_seq_len=64
+    ) as llm:
+        res = llm.generate(prompts, sps)
+    for p, sp, r in zip(prompts, sps, res):
+        plain = spec_generate(HFTarget(model), None, p, max_new_tokens=15,
+                              sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=sp.seed))  # fmt: skip
+        assert r.outputs[0].token_ids == plain.output_ids
