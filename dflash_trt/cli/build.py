@@ -10,7 +10,38 @@ from pathlib import Path
 import click
 
 
+def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """--config FILE.yaml: option defaults from a recipe (keys are option names); flags override."""
+    if value is None:
+        return
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(value).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise click.BadParameter(f"cannot read {value}: {exc}", param_hint="--config") from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{value} must hold a mapping of option names", param_hint="--config")
+    known = {p.name for p in ctx.command.params if p.name}
+    out = {}
+    for key, val in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known or name == "config":
+            raise click.BadParameter(f"{value}: {key!r} is not a build option", param_hint="--config")
+        out[name] = val
+    ctx.default_map = {**(ctx.default_map or {}), **out}
+
+
 @click.command()
+@click.option(
+    "--config",
+    "-c",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    expose_value=False,
+    callback=_load_recipe,
+    help="A recipe YAML (build/recipes/*.yaml): option defaults; flags override.",
+)
 @click.option(
     "--target",
     required=True,

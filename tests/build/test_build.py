@@ -326,3 +326,26 @@ def test_interrupted_build_leaves_no_partial_bundle(tmp_path):
     assert proc.returncode in (130, 1), seen
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "build" / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_checked_in_recipes_plan(recipe, capsys):
+    code, out, err = run(["build", "-c", str(recipe), "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["speculative"]["decoding_type"] == "DFlash"
+    if plan["backend"] == "trtllm":
+        validate_against_field_list(plan["llm_api"])
+
+
+def test_recipe_keys_are_checked_and_flags_override(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: tiny\nturbo: true\n")
+    code, _, err = run(["build", "-c", str(bad), "--dry-run"], capsys)
+    assert code == 2 and "'turbo' is not a build option" in err
+    recipe = Path(__file__).resolve().parents[2] / "build" / "recipes" / "qwen3-8b-h100-fp8.yaml"
+    code, out, _ = run(["build", "-c", str(recipe), "--max-batch-size", "8", "--dry-run", "--json"], capsys)
+    assert code == 0 and json.loads(out)["limits"]["max_batch_size"] == 8
