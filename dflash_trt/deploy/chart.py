@@ -282,7 +282,11 @@ def write_helm_values(
 
 
 def default_chart_dir() -> Path:
-    """`helm/dflash-trt` of the source tree this package runs from (editable installs)."""
+    """The chart shipped inside the wheel (`dflash_trt/_chart/`), else `helm/dflash-trt` of the
+    source tree this package runs from (editable installs)."""
+    packaged = Path(__file__).resolve().parents[1] / "_chart" / CHART_NAME
+    if (packaged / "Chart.yaml").is_file():
+        return packaged
     return Path(__file__).resolve().parents[2] / "helm" / CHART_NAME
 
 
