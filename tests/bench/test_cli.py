@@ -55,7 +55,8 @@ def test_bench_group_resolves_added_subcommands_lazily(tmp_path, monkeypatch) ->
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(bench_cli.SUBCOMMANDS, "engine", "fake_bench_engine:engine")  # the one-line change
-    monkeypatch.delitem(bench_cli.SUBCOMMAND_HELP, "engine", raising=False)  # help then comes from the command
+    # help then comes from the command itself
+    monkeypatch.delitem(bench_cli.SUBCOMMAND_HELP, "engine", raising=False)
     runner = CliRunner()
     result = runner.invoke(cli, ["bench", "engine"])
     assert result.exit_code == 0 and "engine ran" in result.output
