@@ -123,6 +123,9 @@ def _prompt_len(value: str) -> tuple[int, int]:
 )
 @click.option("--regen-batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
+    "--regen-cache", metavar="DIR", help="Where regenerated answers are kept [default: OUT/regenerated]."
+)
+@click.option(
     "--eval-prompts",
     type=click.IntRange(min=0),
     default=16,
@@ -188,7 +191,11 @@ def train_drafter(**opts: object) -> None:
     tty = sys.stderr.isatty()
 
     def report(entry: dict) -> None:
-        if not tty:
+        if tty:
+            return
+        if entry.get("phase") == "regenerate":
+            click.echo(f"regenerate {entry['done']}/{entry['total']}", err=True)
+        else:
             click.echo(
                 f"step {entry['step']}/{entry['total']} loss {entry['loss']:.4f} "
                 f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e} ({entry['elapsed_s']:.0f} s)",

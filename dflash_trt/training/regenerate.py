@@ -11,8 +11,9 @@ ids (included in the sample) or the budget; the sample is prompt + answer with t
 answer only. Generation runs on the embedded engine (continuous batching), or on the
 transformers model one prompt at a time for architectures the engine lacks.
 
-Results are cached in `cache_dir/<key>.jsonl`, the key hashing the target's files, the jobs and
-the sampling settings; an interrupted run resumes from `<key>.partial.jsonl`.
+Answers are stored in `cache_dir/<key>.jsonl` (the key hashes the target's files and the sampling
+settings), one line per job keyed by the job's own hash, appended as they come: an interrupted run
+picks up where it stopped, and a larger --max-samples reuses every answer already there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,17 +79,37 @@ def target_fingerprint(target_dir: Path) -> dict[str, Any]:
     }
 
 
-def cache_key(target_dir: Path, jobs: Sequence[RegenJob], sampling: dict[str, Any]) -> str:
+def cache_key(target_dir: Path, sampling: dict[str, Any]) -> str:
+    """One answer store per (target checkpoint, sampling settings)."""
     h = hashlib.sha256()
     h.update(json.dumps(target_fingerprint(target_dir), sort_keys=True).encode())
     h.update(json.dumps(sampling, sort_keys=True).encode())
-    for job in jobs:
-        h.update(json.dumps([job.prompt_ids, job.max_new_tokens]).encode())
     return h.hexdigest()[:16]
 
 
-def _job_seed(seed: int, index: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:4], "big")
+def job_key(job: RegenJob) -> str:
+    return hashlib.sha256(json.dumps([job.prompt_ids, job.max_new_tokens]).encode()).hexdigest()[:24]
+
+
+def _job_seed(seed: int, key: str) -> int:
+    """Per-job sampling seed from the job itself, so a job's answer does not depend on which other
+    jobs run (subsets and supersets of a job list share their cached answers)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "big")
+
+
+def _read_store(path: Path) -> dict[str, list[int]]:
+    """job key -> answer ids. A torn last line (an interrupted append) is cut off."""
+    if not path.is_file():
+        return {}
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):
+        raw = raw[: raw.rfind(b"\n") + 1]
+        path.write_bytes(raw)
+    out: dict[str, list[int]] = {}
+    for line in raw.decode().splitlines():
+        entry = json.loads(line)
+        out[entry["job"]] = list(entry["output_ids"])
+    return out
 
 
 def regenerate(
@@ -105,53 +125,47 @@ def regenerate(
     batch_size: int = 32,
     progress: Any = None,
 ) -> list[Sample]:
-    """Run every job through the target; returns one Sample per job (prompt + answer)."""
+    """Run every job through the target (answers already in the store are reused); returns one
+    Sample per job (prompt + answer, loss on the answer)."""
     sampling = {"temperature": temperature, "top_p": top_p, "seed": seed if temperature > 0 else None}
-    key = cache_key(target_dir, jobs, sampling)
-    final = cache_dir / f"{key}.jsonl"
-    if final.is_file():
-        samples = [Sample.from_json(json.loads(line)) for line in final.read_text().splitlines() if line]
-        if len(samples) == len(jobs):
-            log.info("regeneration: %d cached samples from %s", len(samples), final)
-            return samples
     cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = cache_dir / f"{key}.partial.jsonl"
-    done: list[Sample] = []
-    if partial.is_file():
-        for line in partial.read_text().splitlines():
-            try:
-                done.append(Sample.from_json(json.loads(line)))
-            except (json.JSONDecodeError, KeyError):
-                break  # a torn last line from an interruption: regenerate from there
-        done = done[: len(jobs)]
-        partial.write_text("".join(json.dumps(s.to_json()) + "\n" for s in done))
-        log.info("regeneration: resuming after %d of %d jobs", len(done), len(jobs))
+    store = cache_dir / f"{cache_key(target_dir, sampling)}.jsonl"
+    answers = _read_store(store)
+    keys = [job_key(j) for j in jobs]
+    todo: dict[str, RegenJob] = {}
+    for k, j in zip(keys, jobs):
+        if k not in answers:
+            todo[k] = j
+    log.info("regeneration: %d of %d answers cached in %s", len(jobs) - len(todo), len(jobs), store)
     if progress is not None:
-        progress.update(len(done))
-    generate, close = _engine_generator(target_dir, jobs, temperature, top_p, device, dtype, batch_size)
-    step = max(FLUSH_EVERY, 4 * batch_size)  # keeps the continuous batch full between appends
-    f = partial.open("a")
-    try:
-        for first in range(len(done), len(jobs), step):
-            chunk = list(range(first, min(first + step, len(jobs))))
-            outputs = generate([jobs[i] for i in chunk], [_job_seed(seed, i) for i in chunk])
-            for i, out in zip(chunk, outputs):
-                job = jobs[i]
-                sample = Sample(
-                    input_ids=[*job.prompt_ids, *out],
-                    loss_mask=[0] * len(job.prompt_ids) + [1] * len(out),
-                    source=job.source,
-                )
-                done.append(sample)
-                f.write(json.dumps(sample.to_json()) + "\n")
-            f.flush()
-            if progress is not None:
-                progress.update(len(chunk))
-    finally:
-        f.close()
-        close()
-    os.replace(partial, final)
-    return done
+        progress.update(len(jobs) - len(todo))
+    if todo:
+        generate, close = _engine_generator(
+            target_dir, list(todo.values()), temperature, top_p, device, dtype, batch_size
+        )
+        step = max(FLUSH_EVERY, 4 * batch_size)  # keeps the continuous batch full between appends
+        pending = list(todo.items())
+        try:
+            with store.open("a") as f:
+                for first in range(0, len(pending), step):
+                    chunk = pending[first : first + step]
+                    outputs = generate([j for _, j in chunk], [_job_seed(seed, k) for k, _ in chunk])
+                    for (k, _), out in zip(chunk, outputs):
+                        answers[k] = list(out)
+                        f.write(json.dumps({"job": k, "output_ids": answers[k]}) + "\n")
+                    f.flush()
+                    if progress is not None:
+                        progress.update(len(chunk))
+        finally:
+            close()
+    return [
+        Sample(
+            input_ids=[*j.prompt_ids, *answers[k]],
+            loss_mask=[0] * len(j.prompt_ids) + [1] * len(answers[k]),
+            source=j.source,
+        )
+        for k, j in zip(keys, jobs)
+    ]
 
 
 def _engine_generator(

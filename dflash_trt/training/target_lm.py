@@ -101,7 +101,7 @@ def train_causal_lm(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        value = float(loss)
+        value = float(loss.detach())
         smoothed = value if math.isnan(smoothed) else 0.98 * smoothed + 0.02 * value
         if progress is not None:
             progress(step + 1, smoothed)

@@ -48,7 +48,7 @@ EVAL_FILE = "eval.json"
 # Fields that may differ when resuming (they do not change what has been trained so far).
 RESUMABLE_CHANGES = frozenset(
     {"steps", "epochs", "out", "save_every", "log_every", "eval_prompts", "eval_data", "eval_max_new_tokens",
-     "device"}
+     "device", "regen_cache", "regen_batch_size"}
 )  # fmt: skip
 
 
@@ -80,6 +80,7 @@ class TrainConfig:
     regen_top_p: float = 1.0
     regen_prompt_len: tuple[int, int] = (16, 256)
     regen_batch_size: int = 32
+    regen_cache: str | None = None  # default: OUT/regenerated
     eval_prompts: int = 16
     eval_data: str | None = None
     eval_max_new_tokens: int = 128
@@ -279,7 +280,7 @@ def target_features(model: Any, input_ids: torch.Tensor, layer_ids: Sequence[int
 
 def _prepare_data(
     cfg: TrainConfig, tokenizer: Any, *, target_dir: Path, out: Path, block_size: int, eos_id: int | None,
-    progress: bool,
+    progress: bool, report: Callable[[dict[str, Any]], None] | None,
 ) -> tuple[list[Sample], list[list[int]]]:  # fmt: skip
     """Training samples (regenerated if asked) and held-out prompts for the final tau."""
     from dflash_trt.training import data as d
@@ -310,16 +311,16 @@ def _prepare_data(
             seed=cfg.seed,
         )  # fmt: skip
         jobs = _cap(jobs, cfg.max_samples, cfg.seed)
-        bar = _bar(len(jobs), "regenerate", progress)
+        bar = _bar(len(jobs), "regenerate", progress) or _ReportProgress("regenerate", len(jobs), report)
+        cache_dir = Path(cfg.regen_cache).expanduser() if cfg.regen_cache else out / "regenerated"
         try:
             samples = rg.regenerate(
-                jobs, target_dir=target_dir, cache_dir=out / "regenerated", temperature=cfg.regen_temperature,
+                jobs, target_dir=target_dir, cache_dir=cache_dir, temperature=cfg.regen_temperature,
                 top_p=cfg.regen_top_p, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
                 batch_size=cfg.regen_batch_size, progress=bar,
             )  # fmt: skip
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
     else:
         chat_samples = d.build_samples(chat, tokenizer, seq_len=cfg.seq_len, eos_id=eos_id, min_len=min_len)
         samples = _cap(chat_samples + text_samples, cfg.max_samples, cfg.seed)
@@ -346,6 +347,21 @@ def _prepare_data(
         ]
         prompts += [s.input_ids[:text_prefix] for s in heldout_samples]
     return samples, prompts[: cfg.eval_prompts]
+
+
+class _ReportProgress:
+    """A progress sink for non-terminals: passes counts to the `report` callback."""
+
+    def __init__(self, phase: str, total: int, report: Callable[[dict[str, Any]], None] | None) -> None:
+        self.phase, self.total, self.done, self.report = phase, total, 0, report
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.report is not None and n:
+            self.report({"phase": self.phase, "done": self.done, "total": self.total})
+
+    def close(self) -> None:
+        pass
 
 
 def _cap(items: list[Any], cap: int | None, seed: int) -> list[Any]:
@@ -425,17 +441,20 @@ def measure_tau(
     *,
     max_new_tokens: int,
     stop_token_ids: Sequence[int],
+    sampling: Any = None,
 ) -> dict[str, Any]:
-    """Greedy DFlash on each prompt with the reference loop. tau = mean over prompts of each
-    prompt's mean round length (the reference benchmark's convention); pooled = all rounds."""
+    """DFlash on each prompt with the reference loop, greedy unless `sampling` (a SamplingConfig)
+    says otherwise. tau = mean over prompts of each prompt's mean round length (the reference
+    benchmark's convention); pooled = all rounds."""
     from dflash_trt.engine.generate import spec_generate
 
     per: list[dict[str, Any]] = []
     rounds: list[int] = []
     for ids in prompts:
         r = spec_generate(
-            target, drafter, list(ids), max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
-        )
+            target, drafter, list(ids), max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+            sampling=sampling,
+        )  # fmt: skip
         if r.acceptance_lengths:
             per.append({"tau": r.mean_acceptance_length, "rounds": r.num_rounds, "tokens": len(r.output_ids)})
             rounds += r.acceptance_lengths
@@ -511,8 +530,9 @@ def train_drafter(
 
     out.mkdir(parents=True, exist_ok=True)
     samples, prompts = _prepare_data(
-        cfg, tokenizer, target_dir=models.target_dir, out=out, block_size=block, eos_id=eos, progress=progress
-    )
+        cfg, tokenizer, target_dir=models.target_dir, out=out, block_size=block, eos_id=eos, progress=progress,
+        report=report,
+    )  # fmt: skip
     digest = _samples_digest(samples)
     if saved is not None and saved.get("samples_digest") != digest:
         raise UsageError(
@@ -613,7 +633,7 @@ def train_drafter(
                     logf.write(json.dumps(entry) + "\n")
                     logf.flush()
                     if report is not None:
-                        report({**entry, "total": total})
+                        report({"phase": "train", **entry, "total": total})
                 if step % cfg.save_every == 0 and step < total:
                     checkpoint()
     except KeyboardInterrupt:

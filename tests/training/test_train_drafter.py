@@ -232,3 +232,35 @@ def test_trained_checkpoint_loads_in_the_reference_package(toy, tmp_path, monkey
     want = dflash_model.dflash_generate(ref, target, torch.tensor([prompt]), 24, None, return_stats=True)
     assert got.output_ids == want.output_ids[0, len(prompt) :].tolist()
     assert got.acceptance_lengths == want.acceptance_lengths
+
+
+def test_regeneration_is_the_targets_own_greedy_answer_and_is_cached(toy, tmp_path, monkeypatch):
+    from dflash_trt.engine.generate import spec_generate
+    from dflash_trt.engine.loading import default_stop_token_ids
+    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.training import regenerate as rg
+    from dflash_trt.training.data import Sample
+
+    tdir, _ = toy
+    windows = [Sample(input_ids=list(range(40 + i, 80 + i)), loss_mask=[1] * 40) for i in range(3)]
+    jobs = rg.text_jobs(windows, prompt_len=(4, 9), seq_len=40, min_new_tokens=5, seed=1)
+    assert len(jobs) == 3 and all(4 <= len(j.prompt_ids) <= 9 for j in jobs)
+    assert all(list(j.prompt_ids) == w.input_ids[: len(j.prompt_ids)] for j, w in zip(jobs, windows))
+    kw = dict(target_dir=tdir, cache_dir=tmp_path / "cache", temperature=0.0, top_p=1.0, seed=0,
+              device="cpu", dtype="float32", batch_size=2)  # fmt: skip
+    samples = rg.regenerate(jobs, **kw)
+    target = HFTarget.from_pretrained(tdir, device=torch.device("cpu"), dtype=torch.float32)
+    stops = default_stop_token_ids(tdir, None)
+    for job, s in zip(jobs, samples):
+        n = len(job.prompt_ids)
+        assert s.input_ids[:n] == list(job.prompt_ids) and s.loss_mask == [0] * n + [1] * (
+            len(s.input_ids) - n
+        )
+        assert len(s.input_ids) <= 40
+        ref = spec_generate(
+            target, None, list(job.prompt_ids), max_new_tokens=job.max_new_tokens, stop_token_ids=stops
+        )
+        assert s.input_ids[n:] == ref.output_ids
+    # the second call reads the cache and never starts an engine
+    monkeypatch.setattr(rg, "_engine_generator", lambda *a, **k: pytest.fail("regenerated twice"))
+    assert [s.input_ids for s in rg.regenerate(jobs, **kw)] == [s.input_ids for s in samples]
