@@ -298,8 +298,9 @@ def test_missing_tokenizer_exits_2_unreachable_server_exits_1(tmp_path, byte_tok
 
 def test_plot_and_compare_cli(scripted, tmp_path, byte_tokenizer_dir, capsys) -> None:
     with (
-        scripted(FAST) as fast,
-        scripted(Script(ttft_s=0.01, chunk_gap_s=0.005, tokens_per_chunk=(1,))) as slow,
+        # 20 ms gaps: long enough that scheduler jitter on a busy 2-core machine stays small
+        scripted(Script(ttft_s=0.01, chunk_gap_s=0.02, tokens_per_chunk=(4,))) as fast,
+        scripted(Script(ttft_s=0.01, chunk_gap_s=0.02, tokens_per_chunk=(1,))) as slow,
     ):
         for server, name in ((fast, "dflash"), (slow, "ar")):
             code, _, err = _run(
@@ -328,7 +329,7 @@ def test_plot_and_compare_cli(scripted, tmp_path, byte_tokenizer_dir, capsys) ->
     result = json.loads(out)
     assert result["a"] == "DFlash" and result["b"] == "AR"
     per_c = {r["concurrency"]: r for r in result["per_concurrency"]}
-    # 4 tokens per chunk vs 1, same gap: TPOT 2 x 5 ms / 8 vs 8 x 5 ms / 8, so 4x the tokens/s/user
+    # 4 tokens per chunk vs 1, same gap: TPOT 2 x 20 ms / 8 vs 8 x 20 ms / 8, so 4x the tokens/s/user
     assert per_c[1]["interactivity_ratio"] == pytest.approx(4.0, rel=0.25)
     assert per_c[1]["cost_per_mtok_a"] < per_c[1]["cost_per_mtok_b"]
     code, out, err = _run(["bench", "compare", str(tmp_path / "dflash"), str(tmp_path / "ar")], capsys)
