@@ -399,3 +399,30 @@ def test_sampled_requests_with_speculation_switched_off(pair):
         plain = spec_generate(HFTarget(model), None, p, max_new_tokens=15,
                               sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=sp.seed))  # fmt: skip
         assert r.outputs[0].token_ids == plain.output_ids
+
+
+def test_cpu_thread_policy(monkeypatch):
+    from dflash_trt.llmapi import cpu_threads_for
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_threads_for(128, None) == 1  # small model: one thread
+    assert cpu_threads_for(4096, None) is None  # large model: torch's default
+    assert cpu_threads_for(128, 3) == 3  # an explicit request wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads_for(128, None) is None  # the user's environment wins over the default
+
+
+def test_cpu_threads_is_validated_and_applied():
+    import torch
+
+    from dflash_trt.errors import ConfigError
+    from dflash_trt.llmapi import LLM
+
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        LLM("tiny", cpu_threads=0, device="cpu")
+    before = torch.get_num_threads()
+    try:
+        with LLM("tiny", cpu_threads=2, device="cpu", max_batch_size=1) as llm:
+            assert llm.cpu_threads == 2 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
