@@ -36,6 +36,12 @@ demo: $(STAMP)
 	$(PY) -m dflash_trt.demo
 	$(PY) -m dflash_trt.demo_serve
 
+# The trained `tiny` pair from scratch (CPU, no network; see build/README.md), installed into
+# dflash_trt/assets/tiny/.
+.PHONY: tiny-pair
+tiny-pair: $(STAMP)
+	$(PY) build/recipes/tiny_pair.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests bench build
 	$(VENV)/bin/ruff format --check dflash_trt tests bench build

@@ -1,35 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The embedded `tiny` default: a small Qwen3 target, its DFlash drafter and a byte-level tokenizer.
+"""The embedded `tiny` default: a trained pair shipped inside the package (a few MB).
 
-It is created deterministically (fixed seeds, no network) into the user cache on first use and
-then loaded through exactly the same checkpoint code as real models.
+The target is a byte-level Qwen3-architecture LM trained on the Python standard library's source;
+the drafter is a DFlash drafter trained for it with `dflash-trt train-drafter` on the target's own
+greedy continuations. Both were made by one command, `make tiny-pair`
+(build/recipes/tiny_pair.py), and live in `dflash_trt/assets/tiny/` in the z-lab/Hugging Face
+layout, so they load through exactly the same checkpoint code as real models. The held-out
+prompts (from stdlib files neither model saw) that the recipe measured tau on ship with them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from dflash_trt.errors import DFlashTrtError
 
 log = logging.getLogger(__name__)
 
 TINY_NAME = "tiny"
-TINY_VERSION = "random-v1"
+TINY_VERSION = "trained-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
-
-# Shapes of the tiny pair (the target is Qwen3-architecture).
-TINY_TARGET: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 4096,
+ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
+# What must be present for the pair to load.
+_REQUIRED = {
+    "target": ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"),
+    "drafter": ("config.json", "model.safetensors"),
 }
-TINY_DRAFTER: dict[str, Any] = {"num_hidden_layers": 2, "block_size": 8, "target_layer_ids": [1, 4]}
 
 
 @dataclass(frozen=True)
@@ -39,26 +38,22 @@ class TinyPaths:
     drafter: Path
 
 
-def cache_home() -> Path:
-    base = os.environ.get("DFLASH_TRT_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash-trt"
-    )
-    return Path(base)
-
-
-def ensure_tiny(home: Path | None = None) -> TinyPaths:
-    """Return the tiny pair's directories, creating them (atomically) on first use."""
-    root = (home or cache_home()) / f"tiny-{TINY_VERSION}"
-    paths = TinyPaths(root=root, target=root / "target", drafter=root / "drafter")
-    if (root / "COMPLETE").is_file():
-        return paths
-    from dflash_trt.utils.io import atomic_dir
-
-    log.info("creating the tiny model pair in %s", root)
-    with atomic_dir(root, overwrite=True) as tmp:
-        _create(tmp)
-        (tmp / "COMPLETE").write_text(TINY_VERSION + "\n")
+def ensure_tiny() -> TinyPaths:
+    """The packaged tiny pair's directories (read-only; nothing is created or downloaded)."""
+    paths = TinyPaths(root=ASSETS_DIR, target=ASSETS_DIR / "target", drafter=ASSETS_DIR / "drafter")
+    missing = [f"{part}/{name}" for part, names in _REQUIRED.items() for name in names
+               if not (ASSETS_DIR / part / name).is_file()]  # fmt: skip
+    if missing:
+        raise DFlashTrtError(
+            f"tiny: the packaged pair is incomplete in {ASSETS_DIR} (missing {', '.join(missing)})",
+            hint="reinstall dflash-trt, or rebuild the pair with `make tiny-pair`",
+        )
     return paths
+
+
+def heldout_prompts() -> list[str]:
+    """Python code prompts from stdlib files that neither tiny model was trained on."""
+    return list(json.loads((ASSETS_DIR / "heldout_prompts.json").read_text())["prompts"])
 
 
 def build_byte_tokenizer():
@@ -97,48 +92,3 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, [chr(c) for c in cs]))
-
-
-def _create(out: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-    from dflash_trt.engine.checkpoint import parse_dflash_config, save_drafter
-    from dflash_trt.engine.drafter import DFlashDrafter
-
-    tokenizer = build_byte_tokenizer()
-    vocab = 264  # 256 bytes + 4 specials, padded to a multiple of 8
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
-    torch.manual_seed(1234)
-    cfg = Qwen3Config(
-        vocab_size=vocab, tie_word_embeddings=True, eos_token_id=eos, bos_token_id=None, **TINY_TARGET
-    )
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    target = Qwen3ForCausalLM(cfg).eval()
-    target.generation_config = GenerationConfig(eos_token_id=eos)
-    target.save_pretrained(out / "target")
-    tokenizer.save_pretrained(out / "target")
-
-    dcfg = parse_dflash_config(
-        hf_config={
-            "architectures": ["DFlashDraftModel"],
-            "hidden_size": TINY_TARGET["hidden_size"],
-            "intermediate_size": TINY_TARGET["intermediate_size"],
-            "num_hidden_layers": TINY_DRAFTER["num_hidden_layers"],
-            "num_attention_heads": TINY_TARGET["num_attention_heads"],
-            "num_key_value_heads": TINY_TARGET["num_key_value_heads"],
-            "head_dim": TINY_TARGET["head_dim"],
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "max_position_embeddings": TINY_TARGET["max_position_embeddings"],
-            "block_size": TINY_DRAFTER["block_size"],
-            "num_target_layers": TINY_TARGET["num_hidden_layers"],
-            "vocab_size": vocab,
-            "dflash_config": {"mask_token_id": mask, "target_layer_ids": TINY_DRAFTER["target_layer_ids"]},
-        }
-    )
-    save_drafter(DFlashDrafter.random(dcfg, seed=4321), out / "drafter", dtype=torch.float32)

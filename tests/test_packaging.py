@@ -25,6 +25,10 @@ def test_wheel_contents(tmp_path):
         "dflash_trt/_chart/dflash-trt/values.schema.json",
         "dflash_trt/_chart/dflash-trt/templates/deployment.yaml",
         "dflash_trt/_chart/schemas/leaderworkerset-leaderworkerset-v1.json",
+        "dflash_trt/assets/tiny/target/model.safetensors",
+        "dflash_trt/assets/tiny/target/tokenizer.json",
+        "dflash_trt/assets/tiny/drafter/model.safetensors",
+        "dflash_trt/assets/tiny/heldout_prompts.json",
     ):
         assert required in names, required
     assert not any(n.startswith(("tests/", "build/", "bench/", "helm/")) for n in names)
