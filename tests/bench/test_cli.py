@@ -340,3 +340,19 @@ def test_plot_and_compare_cli(scripted, tmp_path, byte_tokenizer_dir, capsys) ->
     assert code == 2 and "--x='bogus'" in err
     code, _, err = _run(["bench", "compare", str(tmp_path), str(tmp_path / "ar")], capsys)
     assert code == 2 and "no summary.json" in err
+
+
+def test_committed_tiny_cpu_results_still_load_and_compare(capsys) -> None:
+    """bench/results/tiny-cpu/ (the recorded Triton sweep) stays readable by today's harness."""
+    results = REPO / "bench" / "results" / "tiny-cpu"
+    code, out, err = _run(
+        ["bench", "compare", str(results / "dflash"), str(results / "ar"), "--json"], capsys
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["a"] == "DFlash" and data["b"] == "AR"
+    per_c = {r["concurrency"]: r for r in data["per_concurrency"]}
+    assert sorted(per_c) == [1, 2, 4, 8, 16]
+    for name in ("dflash", "ar"):
+        summary = json.loads((results / name / "summary.json").read_text())
+        assert summary["status"] == "complete" and all(p["num_errors"] == 0 for p in summary["points"])
