@@ -43,13 +43,23 @@ class RegenJob:
 
 
 def text_jobs(
-    samples: Sequence[Sample], *, prompt_len: tuple[int, int], seq_len: int, min_new_tokens: int, seed: int
+    samples: Sequence[Sample],
+    *,
+    prompt_len: tuple[int, int],
+    seq_len: int,
+    min_new_tokens: int,
+    seed: int,
+    eos_id: int | None = None,
 ) -> list[RegenJob]:
-    """One job per text window: its first p tokens, p ~ U[prompt_len] (clipped to the window)."""
+    """One job per text window: its first p tokens, p ~ U[prompt_len] (clipped to the window, and
+    never including the end-of-text token a short document ends with: the target would start a
+    new document after it)."""
     rng = random.Random(seed)
     jobs = []
     for s in samples:
-        p = min(rng.randint(*prompt_len), len(s.input_ids))
+        ids = s.input_ids
+        usable = len(ids) - 1 if eos_id is not None and ids and ids[-1] == eos_id else len(ids)
+        p = min(rng.randint(*prompt_len), usable)
         if p >= 1 and seq_len - p >= min_new_tokens:
             jobs.append(RegenJob(tuple(s.input_ids[:p]), seq_len - p, s.source))
     return jobs

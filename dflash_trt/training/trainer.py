@@ -308,7 +308,7 @@ def _prepare_data(
         jobs = rg.chat_jobs(chat, tokenizer, seq_len=cfg.seq_len, min_new_tokens=min_len)
         jobs += rg.text_jobs(
             text_samples, prompt_len=cfg.regen_prompt_len, seq_len=cfg.seq_len, min_new_tokens=min_len,
-            seed=cfg.seed,
+            seed=cfg.seed, eos_id=eos_id,
         )  # fmt: skip
         jobs = _cap(jobs, cfg.max_samples, cfg.seed)
         bar = _bar(len(jobs), "regenerate", progress) or _ReportProgress("regenerate", len(jobs), report)

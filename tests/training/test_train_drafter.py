@@ -264,3 +264,18 @@ def test_regeneration_is_the_targets_own_greedy_answer_and_is_cached(toy, tmp_pa
     # the second call reads the cache and never starts an engine
     monkeypatch.setattr(rg, "_engine_generator", lambda *a, **k: pytest.fail("regenerated twice"))
     assert [s.input_ids for s in rg.regenerate(jobs, **kw)] == [s.input_ids for s in samples]
+
+
+def test_text_job_prompts_never_end_in_end_of_text():
+    from dflash_trt.training import regenerate as rg
+    from dflash_trt.training.data import Sample
+
+    eos = 7
+    short = Sample(input_ids=[11, 12, 13, 14, eos], loss_mask=[1] * 5)  # a whole short document
+    long = Sample(input_ids=list(range(20, 60)), loss_mask=[1] * 40)
+    jobs = rg.text_jobs([short, long], prompt_len=(30, 30), seq_len=64, min_new_tokens=4, seed=0, eos_id=eos)
+    assert [list(j.prompt_ids) for j in jobs] == [[11, 12, 13, 14], list(range(20, 50))]
+    assert [j.max_new_tokens for j in jobs] == [60, 34]
+    # without an eos id the window is taken as it is
+    (first, _) = rg.text_jobs([short, long], prompt_len=(30, 30), seq_len=64, min_new_tokens=4, seed=0)
+    assert list(first.prompt_ids) == short.input_ids
