@@ -12,13 +12,10 @@ prompts (from stdlib files neither model saw) that the recipe measured tau on sh
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
-
-log = logging.getLogger(__name__)
 
 TINY_NAME = "tiny"
 TINY_VERSION = "trained-v1"

@@ -33,13 +33,6 @@ def update_goldens(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-goldens"))
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Keep the tiny model cache per test session unless the caller pinned DFLASH_TRT_HOME."""
-    if "DFLASH_TRT_HOME" not in os.environ:
-        os.environ["DFLASH_TRT_HOME"] = str(tmp_path_factory.mktemp("dflash-home"))
-
-
 VOCAB = 61
 ARCHS = ("qwen3", "llama", "gpt_oss")
 
