@@ -68,8 +68,10 @@ def main() -> int:
             try:
                 waited = wait_ready(f"http://127.0.0.1:{http}", proc, 300)
                 print(f"{label} server ready in {waited:.1f} s", flush=True)
+                # --overwrite: the server's weights are not part of the run's fingerprint, so a
+                # previous run in the same directory would otherwise be resumed, not remeasured.
                 cli("bench", "sweep", "--spec", str(SPEC), "--only", label, "--url", f"127.0.0.1:{grpc}",
-                    "--out", str(args.out / sub))  # fmt: skip
+                    "--out", str(args.out / sub), "--overwrite")  # fmt: skip
             finally:
                 proc.terminate()
                 proc.wait(60)

@@ -6,9 +6,11 @@
 
 Stages (each writes under --out, default build/out/tiny-pair; --stages picks a subset):
   target   a byte-level Qwen3 LM trained on the Python standard library's source (train split)
-  data     train.jsonl (the same train split) and held-out code prompts (files never trained on)
-  drafter  `dflash-trt train-drafter` on train.jsonl with --regenerate (the target's own greedy
-           continuations), block 16, ending with tau on the held-out prompts
+  data     code prompts cut from the train split (code_prompts.jsonl) and held-out code prompts
+           (from files neither model trains on; their exact strings are kept out of the former)
+  drafter  `dflash-trt train-drafter` on code_prompts.jsonl with --regenerate (each prompt
+           continued by the target's own greedy decoding), block 16, ending with tau on the
+           held-out prompts
   measure  tau on the held-out prompts, the embedded-engine benchmark (batch 1 and 8) and the
            `generate --json` speedup, into results.json
   install  copy both checkpoints (bf16) and the held-out prompts into dflash_trt/assets/tiny/
@@ -59,15 +61,16 @@ DRAFTER_ARGS = [
     "--batch-size", "8",
     "--lr", "3e-3",
     "--epochs", "4",
-    "--max-samples", "2000",
+    "--max-samples", "2500",
     "--regenerate",
-    "--regen-prompt-len", "8:128",
+    "--regen-prompt-len", "160:160",  # the whole prompt (at most 160 bytes)
     "--regen-batch-size", "64",
     "--eval-prompts", "32",
     "--seed", "0",
 ]  # fmt: skip
 
 NUM_HELDOUT_PROMPTS = 32
+NUM_TRAIN_PROMPTS = 2500
 MAX_NEW_TOKENS = 128
 DEMO_PROMPT = "def fibonacci(n):\n"
 CLI_PROMPTS = 4  # held-out prompts also timed through `generate --json`
@@ -117,25 +120,27 @@ def stage_target(out: Path) -> None:
 
 
 def stage_data(out: Path) -> None:
-    from dflash_trt.training.corpus import code_prompts, read_text, split_stdlib
+    from dflash_trt.training.corpus import code_prompts, split_stdlib
 
     split = split_stdlib()
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    with (data / "train.jsonl").open("w") as f:
-        for path in split.train:
-            text = read_text(path)
-            if text:
-                f.write(json.dumps({"text": text}) + "\n")
     prompts = code_prompts(split.heldout, count=NUM_HELDOUT_PROMPTS, seed=0)
     with (data / "heldout_prompts.jsonl").open("w") as f:
         for p in prompts:
             f.write(json.dumps({"text": p}) + "\n")
+    # Training prompts: the same shape, from the train split; a string that also opens a held-out
+    # prompt (e.g. `def __init__(self):`) is left out.
+    held = set(prompts)
+    train = [p for p in code_prompts(split.train, count=NUM_TRAIN_PROMPTS + 100, seed=1) if p not in held]
+    with (data / "code_prompts.jsonl").open("w") as f:
+        for p in train[:NUM_TRAIN_PROMPTS]:
+            f.write(json.dumps({"text": p}) + "\n")
     heldout = [str(p.relative_to(split.root)) for p in split.heldout]
     meta = {"source": "held-out stdlib files (never trained on)", "files": heldout, "prompts": prompts}
     (data / "heldout_prompts.json").write_text(json.dumps(meta, indent=1) + "\n")
-    log.info("data: %d train files, %d held-out prompts from %d held-out files",
-             len(split.train), len(prompts), len(heldout))  # fmt: skip
+    log.info("data: %d training prompts from %d train files, %d held-out prompts from %d held-out files",
+             min(len(train), NUM_TRAIN_PROMPTS), len(split.train), len(prompts), len(heldout))  # fmt: skip
 
 
 def stage_drafter(out: Path) -> None:
@@ -143,7 +148,7 @@ def stage_drafter(out: Path) -> None:
     cmd = [
         sys.executable, "-m", "dflash_trt", "train-drafter",
         "--target", str(out / "target"),
-        "--data", str(out / "data" / "train.jsonl"),
+        "--data", str(out / "data" / "code_prompts.jsonl"),
         "--eval-data", str(out / "data" / "heldout_prompts.jsonl"),
         "--out", str(drafter),
         "--save-dtype", "bfloat16",
