@@ -159,6 +159,8 @@ def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byt
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
         assert server.log.count - before == 6  # concurrency 2 and 3, three requests each
+        # the resume is announced: the server itself is not part of the fingerprint
+        assert "resuming, 1 of 3 point(s) kept" in done.stderr and "--overwrite" in done.stderr
     final = json.loads(summary_path.read_text())
     assert final["status"] == "complete"
     assert [p["key"] for p in final["points"]] == ["concurrency=1", "concurrency=2", "concurrency=3"]
