@@ -18,7 +18,6 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 
 TINY_NAME = "tiny"
-TINY_VERSION = "trained-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
 # What must be present for the pair to load.
@@ -30,14 +29,13 @@ _REQUIRED = {
 
 @dataclass(frozen=True)
 class TinyPaths:
-    root: Path
     target: Path
     drafter: Path
 
 
 def ensure_tiny() -> TinyPaths:
     """The packaged tiny pair's directories (read-only; nothing is created or downloaded)."""
-    paths = TinyPaths(root=ASSETS_DIR, target=ASSETS_DIR / "target", drafter=ASSETS_DIR / "drafter")
+    paths = TinyPaths(target=ASSETS_DIR / "target", drafter=ASSETS_DIR / "drafter")
     missing = [f"{part}/{name}" for part, names in _REQUIRED.items() for name in names
                if not (ASSETS_DIR / part / name).is_file()]  # fmt: skip
     if missing:

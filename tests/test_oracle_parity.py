@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import dflash.model as dflash_model  # the oracle extra (dflash==0.1.0), part of the dev install
 import pytest
 import torch
 
@@ -15,7 +16,6 @@ from dflash_trt.engine.kv_cache import context_index, slot_mapping
 from dflash_trt.engine.target import HFTarget
 from tests.conftest import make_drafter, make_target
 
-dflash_model = pytest.importorskip("dflash.model", reason="the oracle extra (dflash==0.1.0) is not installed")
 pytestmark = pytest.mark.oracle
 
 

@@ -543,13 +543,14 @@ class Sweep:
         cfg = self.cfg
         cfg.validate()
         state = open_run(cfg, overwrite=overwrite)
-        pending = [p for p in cfg.points() if p.key not in state.done]
+        points = cfg.points()
+        pending = [p for p in points if p.key not in state.done]
         if state.done:
             # The fingerprint covers the client's configuration, not what the server runs: say so.
             log.warning(
                 "%s: resuming, %d of %d point(s) kept from the earlier run (%s); the server is not "
                 "re-checked, pass --overwrite to measure everything again",
-                cfg.out, len(cfg.points()) - len(pending), len(cfg.points()),
+                cfg.out, len(points) - len(pending), len(points),
                 ", ".join(sorted(state.done)),
             )  # fmt: skip
         state.summary["environment"] = environment()

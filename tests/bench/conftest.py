@@ -90,7 +90,7 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     import urllib.request
 
     if importlib.util.find_spec("pytriton") is None:
-        pytest.skip("nvidia-pytriton (the serve extra) is not installed")
+        raise RuntimeError("nvidia-pytriton (the serve extra, part of the dev install) is not installed")
     site = Path(sysconfig.get_paths()["purelib"])
     server_dir = site / "pytriton" / "tritonserver"
     backends = tmp_path_factory.mktemp("triton-backends")

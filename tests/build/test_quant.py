@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import modelopt.torch.quantization  # noqa: F401  (the modelopt extra, part of the dev install)
 import pytest
 
 from dflash_trt import LLM, SamplingParams
 from dflash_trt.cli import main
 
 pytestmark = pytest.mark.modelopt
-pytest.importorskip("modelopt.torch.quantization")
 
 GOLDEN = Path(__file__).parent / "golden"
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "for i in range(10):\n"]

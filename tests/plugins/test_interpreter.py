@@ -22,7 +22,6 @@ CHILD = Path(__file__).with_name("kernels_interpreted.py")
 
 @pytest.mark.triton_interpret
 def test_triton_kernels_under_the_interpreter(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
     report = tmp_path / "junit.xml"
     # one OpenMP thread: the tiny GEMMs only lose to thread spinning on a shared machine
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
