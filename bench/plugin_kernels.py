@@ -106,8 +106,8 @@ def _kernel_rows(
 ):
     import torch
 
-    from dflash_trt.plugins import accept, block_attention, context_kv, load_ops
-    from dflash_trt.plugins.context_kv import stack_kv_weights
+    from dflash_trt.ops import accept, block_attention, context_kv, load_ops
+    from dflash_trt.ops.context_kv import stack_kv_weights
 
     load_ops()
     dev = torch.device("cuda")
@@ -224,9 +224,9 @@ PROMPTS = (
 def _engine_rows(args: argparse.Namespace, batch_sizes: list[int]) -> list[dict[str, Any]]:
     import torch
 
-    from dflash_trt.engine.checkpoint import load_drafter_config
-    from dflash_trt.engine.loading import resolve_models
-    from dflash_trt.llmapi import LLM, SamplingParams
+    from dflash_trt.api.llm import LLM, SamplingParams
+    from dflash_trt.models.checkpoint import load_drafter_config
+    from dflash_trt.models.sources import resolve_models
 
     models = resolve_models(args.target, args.engine_drafter)
     if models.drafter_dir is None:
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NO_DEVICE
-    from dflash_trt.plugins import triton_installed
+    from dflash_trt.ops import triton_installed
 
     if not triton_installed():
         print(
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     shape = DrafterShape()
     if args.drafter:
-        from dflash_trt.engine.checkpoint import load_drafter_config
+        from dflash_trt.models.checkpoint import load_drafter_config
 
         c = load_drafter_config(args.drafter)
         shape = DrafterShape(

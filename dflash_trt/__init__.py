@@ -14,20 +14,20 @@ __version__ = "0.1.0"
 
 # public name -> "module:attribute"
 _LAZY: dict[str, str] = {
-    "DFlashConfig": "dflash_trt.engine.checkpoint:DFlashConfig",
-    "parse_dflash_config": "dflash_trt.engine.checkpoint:parse_dflash_config",
-    "load_drafter": "dflash_trt.engine.checkpoint:load_drafter",
-    "DFlashDrafter": "dflash_trt.engine.drafter:DFlashDrafter",
-    "HFTarget": "dflash_trt.engine.target:HFTarget",
-    "spec_generate": "dflash_trt.engine.generate:spec_generate",
-    "GenerationResult": "dflash_trt.engine.generate:GenerationResult",
-    "build_target_layer_ids": "dflash_trt.engine.features:build_target_layer_ids",
+    "DFlashConfig": "dflash_trt.models.checkpoint:DFlashConfig",
+    "parse_dflash_config": "dflash_trt.models.checkpoint:parse_dflash_config",
+    "load_drafter": "dflash_trt.models.checkpoint:load_drafter",
+    "DFlashDrafter": "dflash_trt.models.drafter:DFlashDrafter",
+    "HFTarget": "dflash_trt.reference.hf_target:HFTarget",
+    "spec_generate": "dflash_trt.reference.generate:spec_generate",
+    "GenerationResult": "dflash_trt.reference.generate:GenerationResult",
+    "build_target_layer_ids": "dflash_trt.models.features:build_target_layer_ids",
     "ensure_tiny": "dflash_trt.tiny:ensure_tiny",
-    "LLM": "dflash_trt.llmapi:LLM",
-    "SamplingParams": "dflash_trt.llmapi:SamplingParams",
-    "KvCacheConfig": "dflash_trt.llmapi:KvCacheConfig",
-    "CudaGraphConfig": "dflash_trt.llmapi:CudaGraphConfig",
-    "DFlashDecodingConfig": "dflash_trt.engine.spec_config:DFlashDecodingConfig",
+    "LLM": "dflash_trt.api.llm:LLM",
+    "SamplingParams": "dflash_trt.api.llm:SamplingParams",
+    "KvCacheConfig": "dflash_trt.api.llm:KvCacheConfig",
+    "CudaGraphConfig": "dflash_trt.api.llm:CudaGraphConfig",
+    "DFlashDecodingConfig": "dflash_trt.spec.decoding_config:DFlashDecodingConfig",
 }
 
 __all__ = [
@@ -49,13 +49,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dflash_trt.engine.checkpoint import DFlashConfig, load_drafter, parse_dflash_config
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.features import build_target_layer_ids
-    from dflash_trt.engine.generate import GenerationResult, spec_generate
-    from dflash_trt.engine.spec_config import DFlashDecodingConfig
-    from dflash_trt.engine.target import HFTarget
-    from dflash_trt.llmapi import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams
+    from dflash_trt.api.llm import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.dflash_config import DFlashConfig, parse_dflash_config
+    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.features import build_target_layer_ids
+    from dflash_trt.reference.generate import GenerationResult, spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.decoding_config import DFlashDecodingConfig
     from dflash_trt.tiny import ensure_tiny
 
 

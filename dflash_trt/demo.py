@@ -30,7 +30,7 @@ def heldout_table(count: int = 8) -> bool:
     """Per held-out prompt: tau and decode speedup at batch 1 (128 tokens, ignore_eos)."""
     import time
 
-    from dflash_trt.llmapi import LLM, SamplingParams
+    from dflash_trt.api.llm import LLM, SamplingParams
     from dflash_trt.tiny import heldout_prompts
 
     prompts = heldout_prompts()[:count]

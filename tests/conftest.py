@@ -174,8 +174,8 @@ def drafter_hf_config(
 
 
 def make_drafter(target: Any, *, seed: int = 1, std: float = 0.3, **kwargs: Any):
-    from dflash_trt.engine.checkpoint import parse_dflash_config
-    from dflash_trt.engine.drafter import DFlashDrafter
+    from dflash_trt.models.dflash_config import parse_dflash_config
+    from dflash_trt.models.drafter import DFlashDrafter
 
     cfg = parse_dflash_config(hf_config=drafter_hf_config(target, **kwargs))
     return DFlashDrafter.random(cfg, seed=seed, std=std).eval()
@@ -186,7 +186,7 @@ def tmp_models(tmp_path: Path):
     """Factory: save a random target (+ byte tokenizer optionally) and drafter to disk."""
 
     def _make(arch: str = "qwen3", *, tokenizer: bool = False, **kw: Any) -> tuple[Path, Path]:
-        from dflash_trt.engine.checkpoint import save_drafter
+        from dflash_trt.models.checkpoint import save_drafter
 
         target = make_target(arch, **kw)
         drafter = make_drafter(target)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.engine.checkpoint import load_drafter, save_drafter
 from dflash_trt.errors import CheckpointError
+from dflash_trt.models.checkpoint import load_drafter, save_drafter
 from tests.conftest import make_drafter, make_target
 
 

@@ -147,7 +147,7 @@ def test_usage_errors_are_one_line(tmp_models, capsys, extra, code_want, pattern
 
 
 def test_pair_errors(tmp_path, tmp_models, capsys):
-    from dflash_trt.engine.checkpoint import save_drafter
+    from dflash_trt.models.checkpoint import save_drafter
     from tests.conftest import make_drafter, make_target
 
     tdir, _ = tmp_models("qwen3")

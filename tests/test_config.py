@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from dflash_trt.engine.checkpoint import TargetInfo, parse_dflash_config, validate_pair
-from dflash_trt.engine.features import build_target_layer_ids
 from dflash_trt.errors import ConfigError, IncompatiblePairError
+from dflash_trt.models.dflash_config import TargetInfo, parse_dflash_config, validate_pair
+from dflash_trt.models.features import build_target_layer_ids
 
 BASE = {
     "architectures": ["DFlashDraftModel"],

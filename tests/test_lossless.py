@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-from dflash_trt.engine.drafter import DFlashDrafter
-from dflash_trt.engine.generate import spec_generate
-from dflash_trt.engine.target import HFTarget
+from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.reference.generate import spec_generate
+from dflash_trt.reference.hf_target import HFTarget
 from tests.conftest import make_drafter, make_target
 
 PROMPTS = ([7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], list(range(2, 40)))

@@ -11,9 +11,9 @@ import dflash.model as dflash_model  # the oracle extra (dflash==0.1.0), part of
 import pytest
 import torch
 
-from dflash_trt.engine.generate import spec_generate
-from dflash_trt.engine.kv_cache import context_index, slot_mapping
-from dflash_trt.engine.target import HFTarget
+from dflash_trt.layers.kv_cache import context_index, slot_mapping
+from dflash_trt.reference.generate import spec_generate
+from dflash_trt.reference.hf_target import HFTarget
 from tests.conftest import make_drafter, make_target
 
 pytestmark = pytest.mark.oracle

@@ -10,8 +10,11 @@ import pytest
 import torch
 from scipy import stats
 
-from dflash_trt.engine.generate import spec_generate
-from dflash_trt.engine.sampling import (
+from dflash_trt.errors import ConfigError
+from dflash_trt.reference.generate import spec_generate
+from dflash_trt.reference.hf_target import HFTarget
+from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_EMIT,
     SamplingConfig,
@@ -19,9 +22,6 @@ from dflash_trt.engine.sampling import (
     sample_from_probs,
     uniform,
 )
-from dflash_trt.engine.target import HFTarget
-from dflash_trt.engine.verify import greedy_accept, rejection_accept
-from dflash_trt.errors import ConfigError
 from tests.conftest import make_drafter, make_target
 
 

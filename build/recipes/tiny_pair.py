@@ -171,11 +171,11 @@ def stage_measure(out: Path) -> None:
 
     import torch
 
-    from dflash_trt.engine.benchmark import format_table, run_engine_benchmark
-    from dflash_trt.engine.checkpoint import load_drafter
-    from dflash_trt.engine.loading import default_stop_token_ids, load_tokenizer
-    from dflash_trt.engine.sampling import SamplingConfig
-    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.bench.engine_bench import format_table, run_engine_benchmark
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.sampling import SamplingConfig
     from dflash_trt.training.trainer import measure_tau
 
     target_dir, drafter_dir = out / "target", out / "drafter"

@@ -10,14 +10,14 @@ from typing import Any
 from dflash_trt.builder.gpus import GpuProfile, detect_gpu, get_profile
 from dflash_trt.builder.plan import CHECKPOINTS, MODEL_NAME, BuildPlan, BuildRequest, bundle_name
 from dflash_trt.builder.resolve import ModelSource, ResolvedPair, resolve_pair
-from dflash_trt.engine.checkpoint import (
+from dflash_trt.errors import ConfigError, UsageError
+from dflash_trt.models.dflash_config import (
     DFlashConfig,
     TargetInfo,
     check_runtime_block_size,
     parse_dflash_config,
     validate_pair,
 )
-from dflash_trt.errors import ConfigError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def common_sections(
 def plan_torch(
     req: BuildRequest, pair: ResolvedPair, profile: GpuProfile, dcfg: DFlashConfig, block: int
 ) -> BuildPlan:
-    from dflash_trt.models.config import SUPPORTED_MODEL_TYPES
+    from dflash_trt.models.target_config import SUPPORTED_MODEL_TYPES
 
     t = text_config(pair.target.config)
     model_type = t.get("model_type") or pair.target.config.get("model_type")

@@ -180,7 +180,7 @@ def quantize_drafter_fp8(src: Path, out: Path) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
 
-    from dflash_trt.engine.checkpoint import read_safetensors
+    from dflash_trt.models.checkpoint import read_safetensors
 
     state = read_safetensors(src, what="drafter weights")
     out_tmp = out.with_name(out.name + ".partial")

@@ -30,8 +30,8 @@ from dflash_trt.builder.planner import (
     weights_native_format,
 )
 from dflash_trt.builder.resolve import ResolvedPair
-from dflash_trt.engine.checkpoint import DFlashConfig
 from dflash_trt.errors import UsageError
+from dflash_trt.models.dflash_config import DFlashConfig
 
 # ModelOpt 0.47 recipes and the TensorRT-LLM quant algo they produce.
 RECIPES = {

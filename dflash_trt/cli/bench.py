@@ -705,7 +705,7 @@ def scripted_server(
     """
     import asyncio
 
-    from dflash_trt.bench.scripted_server import Script, ScriptedServer, run_until_cancelled
+    from dflash_trt.testing.scripted_server import Script, ScriptedServer, run_until_cancelled
 
     script = Script(
         ttft_s=ttft,

@@ -71,7 +71,7 @@ def engine(
       dflash-trt bench engine --target tiny --batch-sizes 1,8,32 --max-tokens 128
     """
     sizes = _ints(batch_sizes, "--batch-sizes")
-    from dflash_trt.engine.benchmark import format_table, run_engine_benchmark
+    from dflash_trt.bench.engine_bench import format_table, run_engine_benchmark
 
     chosen = ("ar", "dflash") if modes == "both" else (modes,)
 

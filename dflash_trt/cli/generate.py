@@ -118,16 +118,18 @@ def generate(
     ids = _parse_ids(prompt_ids, "--prompt-ids")
     stops = _parse_ids(stop_token_ids, "--stop-token-ids")
 
-    from dflash_trt.engine.checkpoint import load_drafter, validate_pair
-    from dflash_trt.engine.generate import spec_generate
-    from dflash_trt.engine.loading import (
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.dflash_config import validate_pair
+    from dflash_trt.models.sources import (
         default_stop_token_ids,
         load_tokenizer,
         resolve_mask_token_id,
         resolve_models,
     )
-    from dflash_trt.engine.sampling import SamplingConfig
-    from dflash_trt.engine.target import HFTarget, resolve_device, resolve_dtype
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.sampling import SamplingConfig
+    from dflash_trt.utils.device import resolve_device, resolve_dtype
 
     sampling = SamplingConfig(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy_draft=greedy_draft
@@ -212,9 +214,9 @@ def generate(
 
 
 def _embedded_supports(target_dir) -> bool:
-    from dflash_trt.engine.checkpoint import read_json
     from dflash_trt.errors import ConfigError
-    from dflash_trt.models.config import parse_target_config
+    from dflash_trt.models.checkpoint import read_json
+    from dflash_trt.models.target_config import parse_target_config
 
     try:
         parse_target_config(read_json(target_dir / "config.json", what="target config"))
@@ -227,9 +229,10 @@ def _run_embedded(
     models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
 ):
     """One request through the serving engine (native models, paged caches, the same round code)."""
-    from dflash_trt.engine.checkpoint import check_runtime_block_size, load_drafter_config
-    from dflash_trt.engine.generate import GenerationResult
-    from dflash_trt.llmapi import LLM, SamplingParams
+    from dflash_trt.api.llm import LLM, SamplingParams
+    from dflash_trt.models.checkpoint import load_drafter_config
+    from dflash_trt.models.dflash_config import check_runtime_block_size
+    from dflash_trt.reference.generate import GenerationResult
 
     spec = None
     b = 1

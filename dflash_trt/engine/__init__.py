@@ -1,2 +1,2 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The embedded pure-PyTorch DFlash engine: drafter, target adapters, verification, loops."""
+"""The embedded serving engine: requests, scheduler, model runner and the step loop."""

@@ -11,7 +11,7 @@ Each `step()`:
      every request accepts its own number of drafts;
   4. applies per-request stop token ids, stop strings, max_tokens and max_seq_len, and frees the
      pages and slot of finished requests.
-Not thread-safe: `dflash_trt.llmapi.LLM` drives it from one background thread.
+Not thread-safe: `dflash_trt.api.llm.LLM` drives it from one background thread.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
-from dflash_trt.engine.checkpoint import TargetInfo, load_drafter, validate_pair
-from dflash_trt.engine.kv_cache import PageAllocator, pages_for
 from dflash_trt.engine.runner import ModelRunner
-from dflash_trt.engine.sampling import validate_sampling
 from dflash_trt.engine.sequence import Sequence, Status
-from dflash_trt.engine.spec_config import DFlashDecodingConfig
 from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.layers.kv_cache import PageAllocator, pages_for
+from dflash_trt.models.checkpoint import load_drafter
+from dflash_trt.models.dflash_config import TargetInfo, validate_pair
+from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+from dflash_trt.spec.sampling import validate_sampling
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash_trt.engine.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
-from dflash_trt.engine.sampling import (
+from dflash_trt.layers.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
+from dflash_trt.ops import default_enabled
+from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
     PURPOSE_EMIT,
@@ -35,13 +37,11 @@ from dflash_trt.engine.sampling import (
     sample_from_probs,
     uniform,
 )
-from dflash_trt.engine.verify import greedy_accept, rejection_accept
-from dflash_trt.plugins import default_enabled
 
 if TYPE_CHECKING:
-    from dflash_trt.engine.drafter import DFlashDrafter
     from dflash_trt.engine.sequence import Sequence
     from dflash_trt.models.decoder import NativeTarget
+    from dflash_trt.models.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,7 @@ class ModelRunner:
         self.tap_layers: list[int] | None = None
         self.feature_dim = 0
         if drafter is not None:
-            self.draft_cache = drafter.make_cache(
-                num_pages=num_pages, page_size=page_size, device=self.device
-            )
+            self.draft_cache = drafter.make_cache(num_pages=num_pages, page_size=page_size)
             drafter.bind_target(target.model.embed_tokens.weight, target.lm_head.weight, None)
             self.tap_layers = list(drafter.config.target_layer_ids)
             self.feature_dim = drafter.config.num_target_features * drafter.config.hidden_size
@@ -131,10 +129,10 @@ class ModelRunner:
         self.static_rounds = static_rounds or self.cuda_graphs
         self._graphs: dict[tuple, Any] = {}
         self._graph_failed = False
-        self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
+        self.plugins: Any = None  # dflash_trt.ops.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
         if use_plugins if use_plugins is not None else default_enabled(self.device):
-            from dflash_trt.plugins.drafting import enable_plugins
+            from dflash_trt.ops.drafting import enable_plugins
 
             self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
 

@@ -15,28 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trt.engine.kv_cache import PagedKVCache
-from dflash_trt.engine.layers import visibility_mask
-from dflash_trt.engine.rope import RotaryEmbedding, apply_rope
-from dflash_trt.models.config import TargetConfig
-
-
-class Norm(nn.Module):
-    """RMSNorm, variance in fp32. gpt-oss applies the weight before casting back."""
-
-    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.weight_in_fp32 = weight_in_fp32
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_in_fp32:
-            return (self.weight * h).to(dtype)
-        return self.weight * h.to(dtype)
+from dflash_trt.layers.kv_cache import PagedKVCache
+from dflash_trt.layers.masks import visibility_mask
+from dflash_trt.layers.norm import RMSNorm
+from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
+from dflash_trt.models.target_config import TargetConfig
 
 
 class Attention(nn.Module):
@@ -52,8 +35,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.o_bias)
-        self.q_norm = Norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = Norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         self.layer = layer
 
@@ -168,8 +151,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp: nn.Module = MoE(cfg) if cfg.moe is not None else DenseMLP(cfg)
-        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_fp32)
-        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_fp32)
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
+        )
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
+        )
 
 
 class Backbone(nn.Module):
@@ -177,7 +164,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_in_fp32)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32)
 
 
 class NativeTarget(nn.Module):
@@ -202,15 +189,7 @@ class NativeTarget(nn.Module):
 
     def make_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
         w = self.model.embed_tokens.weight
-        return PagedKVCache(
-            num_layers=self.config.num_hidden_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=self.config.num_key_value_heads,
-            head_dim=self.config.head_dim,
-            dtype=w.dtype,
-            device=w.device,
-        )
+        return PagedKVCache.for_model(self.config, num_pages=num_pages, page_size=page_size, like=w)
 
     def forward(
         self,

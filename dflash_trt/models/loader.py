@@ -2,8 +2,7 @@
 """Load a transformers checkpoint directory into a NativeTarget by exact parameter name.
 
 Handles tied embeddings, sharded safetensors and gpt-oss MXFP4 expert weights (`*_blocks` +
-`*_scales`, dequantized on load: E2M1 values, two per byte with the low nibble first, times
-2^(scale - 127) per 32-element block).
+`*_scales`, dequantized on load by `models/dequant.py`).
 """
 
 from __future__ import annotations
@@ -13,28 +12,15 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.engine.checkpoint import read_json, read_safetensors
-from dflash_trt.engine.dequant import dequantize_state
 from dflash_trt.errors import CheckpointError
-from dflash_trt.models.config import TargetConfig, parse_target_config
+from dflash_trt.models.checkpoint import check_state_shapes, read_json, read_safetensors
 from dflash_trt.models.decoder import NativeTarget
+from dflash_trt.models.dequant import dequantize_mxfp4, dequantize_state
+from dflash_trt.models.target_config import TargetConfig, parse_target_config
 
 log = logging.getLogger(__name__)
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks: [..., rows, G, 16] uint8; scales: [..., rows, G] uint8 -> [..., G * 32, rows] (transposed
-    to the [in, out] layout of the bf16 gpt-oss experts)."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
-    lo = lut[(blocks & 0x0F).long()]
-    hi = lut[(blocks >> 4).long()]
-    vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # [..., rows, G, 32]
-    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None])
-    out = vals.flatten(-2)  # [..., rows, G * 32]
-    return out.transpose(-1, -2).contiguous().to(dtype)
 
 
 def load_native_target(path: str | Path, *, device: torch.device | str, dtype: torch.dtype) -> NativeTarget:
@@ -66,12 +52,7 @@ def load_native_target(path: str | Path, *, device: torch.device | str, dtype: t
             f"missing {missing[:3]}, unexpected {unexpected[:3]}",
             hint="the embedded engine supports unquantized or MXFP4 checkpoints of its listed families",
         )
-    for name, tensor in expected.items():
-        if tuple(state[name].shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"target tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(tensor.shape)}",
-                hint="config.json and the weights disagree",
-            )
+    check_state_shapes(expected, state, what="target", hint="config.json and the weights disagree")
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     if cfg.tie_word_embeddings:

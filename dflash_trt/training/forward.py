@@ -29,8 +29,9 @@ from typing import cast
 import torch
 from torch.nn import functional as F
 
-from dflash_trt.engine.drafter import DFlashDrafter, DraftLayer
-from dflash_trt.engine.rope import apply_rope
+from dflash_trt.layers.masks import apply_visibility
+from dflash_trt.layers.rope import apply_rope
+from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 LOGIT_CHUNK_ROWS = 8192  # rows of LM-head logits materialised at once in the loss
 
@@ -119,21 +120,6 @@ def block_mask(anchors: torch.Tensor, valid: torch.Tensor, *, seq_len: int, bloc
     return torch.cat([ctx, blk], dim=2)
 
 
-def _visibility(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, base: torch.Tensor, *, causal: bool, window: int | None
-) -> torch.Tensor:
-    """Apply a layer's causal / sliding-window rule on top of `base` (same semantics as
-    engine.layers.visibility_mask). q_pos: [..., Q, 1]; k_pos: [..., 1 or Q, K]; base: [..., Q, K]."""
-    vis = base
-    if causal:
-        vis = vis & (k_pos <= q_pos)
-    if window is not None:
-        vis = vis & (q_pos - k_pos < window)
-        if not causal:
-            vis = vis & (k_pos - q_pos < window)
-    return vis
-
-
 def _attend(
     q: torch.Tensor,
     k_ctx: torch.Tensor,
@@ -203,8 +189,8 @@ def training_forward(
         if key not in vis:
             q_pos = blk_pos[..., None]  # [bs, N, B, 1]
             vis[key] = (
-                _visibility(q_pos, ctx_pos.view(1, 1, 1, s), ctx_base, causal=key[0], window=key[1]),
-                _visibility(q_pos, blk_pos[:, :, None, :], blk_base, causal=key[0], window=key[1]),
+                apply_visibility(q_pos, ctx_pos.view(1, 1, 1, s), ctx_base, causal=key[0], window=key[1]),
+                apply_visibility(q_pos, blk_pos[:, :, None, :], blk_base, causal=key[0], window=key[1]),
             )
         attn = layer.self_attn
         hs = layer.input_layernorm(x)

@@ -191,7 +191,7 @@ def _engine_generator(
     can load the target, else on transformers (batch 1)."""
     max_len = max((len(j.prompt_ids) + j.max_new_tokens for j in jobs), default=16) + 1
     try:
-        from dflash_trt.llmapi import LLM, SamplingParams
+        from dflash_trt.api.llm import LLM, SamplingParams
 
         llm = LLM(str(target_dir), max_batch_size=batch_size, max_seq_len=max_len, device=device, dtype=dtype)
     except DFlashTrtError as exc:
@@ -219,10 +219,11 @@ def _engine_generator(
 
 
 def _hf_generator(target_dir: Path, temperature: float, top_p: float, device: str, dtype: str) -> Any:
-    from dflash_trt.engine.generate import spec_generate
-    from dflash_trt.engine.loading import default_stop_token_ids, load_tokenizer
-    from dflash_trt.engine.sampling import SamplingConfig
-    from dflash_trt.engine.target import HFTarget, resolve_device, resolve_dtype
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.sampling import SamplingConfig
+    from dflash_trt.utils.device import resolve_device, resolve_dtype
 
     dev = resolve_device(None if device == "auto" else device)
     target = HFTarget.from_pretrained(

@@ -149,7 +149,7 @@ def build_drafter_hf_config(
 ) -> dict[str, Any]:
     """The drafter's z-lab config.json: shapes from the target (hidden size must match; heads,
     FFN and RoPE mirror it, as in the released drafters), then --drafter-config, then flags."""
-    from dflash_trt.engine.features import build_target_layer_ids
+    from dflash_trt.models.features import build_target_layer_ids
 
     text = target_cfg.get("text_config") or target_cfg
     t_layers = int(text["num_hidden_layers"])
@@ -272,7 +272,7 @@ def _collate(samples: Sequence[Sample], pad_id: int) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def target_features(model: Any, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """input_ids: [bs, S] -> [bs, S, K * D]: target layer outputs (HF hidden_states[l + 1])."""
-    from dflash_trt.engine.features import extract_context_feature
+    from dflash_trt.models.features import extract_context_feature
 
     out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
     return extract_context_feature(out.hidden_states, layer_ids)
@@ -394,7 +394,7 @@ def export_drafter(drafter: Any, out: Path, *, dtype: torch.dtype) -> None:
     """Write config.json + model.safetensors (z-lab layout) into `out`, next to the training files.
     Each file is replaced atomically; the weights go last, so a reader never pairs new weights
     with an old config."""
-    from dflash_trt.engine.checkpoint import save_drafter
+    from dflash_trt.models.checkpoint import save_drafter
 
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
@@ -446,7 +446,7 @@ def measure_tau(
     """DFlash on each prompt with the reference loop, greedy unless `sampling` (a SamplingConfig)
     says otherwise. tau = mean over prompts of each prompt's mean round length (the reference
     benchmark's convention); pooled = all rounds."""
-    from dflash_trt.engine.generate import spec_generate
+    from dflash_trt.reference.generate import spec_generate
 
     per: list[dict[str, Any]] = []
     rounds: list[int] = []
@@ -478,12 +478,14 @@ def train_drafter(
     report: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train (or resume) a drafter as configured; returns the result after the final evaluation."""
-    from dflash_trt.engine.checkpoint import TargetInfo, load_drafter, parse_dflash_config, validate_pair
-    from dflash_trt.engine.drafter import DFlashDrafter
-    from dflash_trt.engine.loading import default_stop_token_ids, load_tokenizer, resolve_models
-    from dflash_trt.engine.target import HFTarget, resolve_device, resolve_dtype
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.dflash_config import TargetInfo, parse_dflash_config, validate_pair
+    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer, resolve_models
+    from dflash_trt.reference.hf_target import HFTarget
     from dflash_trt.training.forward import dflash_loss, make_block_batch, sample_anchors, training_forward
     from dflash_trt.training.target_lm import lr_at
+    from dflash_trt.utils.device import resolve_device, resolve_dtype
 
     validate(cfg)
     t_start = time.perf_counter()

@@ -172,7 +172,7 @@ def test_parallelism_checks_on_odd_head_counts():
 
 
 def _pair_dirs(tmp_path, **drafter_changes):
-    from dflash_trt.engine.checkpoint import save_drafter
+    from dflash_trt.models.checkpoint import save_drafter
     from tests.conftest import drafter_hf_config, make_drafter, make_target
 
     target = make_target("qwen3")

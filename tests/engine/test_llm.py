@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from dflash_trt import LLM, DFlashDecodingConfig, SamplingParams
-from dflash_trt.engine.checkpoint import load_drafter, save_drafter
-from dflash_trt.engine.generate import spec_generate
-from dflash_trt.engine.sampling import SamplingConfig
-from dflash_trt.engine.target import HFTarget
 from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.models.checkpoint import load_drafter, save_drafter
+from dflash_trt.reference.generate import spec_generate
+from dflash_trt.reference.hf_target import HFTarget
+from dflash_trt.spec.sampling import SamplingConfig
 from tests.conftest import make_drafter, make_target
 
 BLOCK = 6
@@ -402,7 +402,7 @@ def test_sampled_requests_with_speculation_switched_off(pair):
 
 
 def test_cpu_thread_policy(monkeypatch):
-    from dflash_trt.llmapi import cpu_threads_for
+    from dflash_trt.api.llm import cpu_threads_for
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpu_threads_for(128, None) == 1  # small model: one thread
@@ -415,8 +415,8 @@ def test_cpu_thread_policy(monkeypatch):
 def test_cpu_threads_is_validated_and_applied():
     import torch
 
+    from dflash_trt.api.llm import LLM
     from dflash_trt.errors import ConfigError
-    from dflash_trt.llmapi import LLM
 
     with pytest.raises(ConfigError, match="cpu_threads"):
         LLM("tiny", cpu_threads=0, device="cpu")

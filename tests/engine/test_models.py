@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.engine.kv_cache import context_index, slot_mapping
 from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.layers.kv_cache import context_index, slot_mapping
 from dflash_trt.models.loader import dequantize_mxfp4, load_native_target
 from tests.conftest import make_target
 

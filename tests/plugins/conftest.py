@@ -32,7 +32,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="session")
 def plugin_pair(tmp_path_factory: pytest.TempPathFactory):
     """Factory: variant -> (target_dir, drafter_dir, target_model), built once per session."""
-    from dflash_trt.engine.checkpoint import save_drafter
+    from dflash_trt.models.checkpoint import save_drafter
 
     made: dict[str, tuple[Path, Path, Any]] = {}
 
@@ -67,10 +67,10 @@ def reference_greedy(pair: tuple[Path, Path, Any], prompt: list[int], max_tokens
 
 
 def _reference_greedy(pair: tuple[Path, Path, Any], prompt: list[int], max_tokens: int):
-    from dflash_trt.engine.checkpoint import load_drafter
-    from dflash_trt.engine.generate import spec_generate
-    from dflash_trt.engine.sampling import SamplingConfig
-    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.sampling import SamplingConfig
 
     _, ddir, model = pair
     return spec_generate(

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dflash_trt.engine import verify
-from dflash_trt.engine.kv_cache import context_index, slot_mapping
-from dflash_trt.plugins import accept, block_attention, context_kv, load_ops
-from dflash_trt.plugins.drafting import DrafterPlugins, enable_plugins, greedy_accept, rejection_accept
+from dflash_trt.layers.kv_cache import context_index, slot_mapping
+from dflash_trt.ops import accept, block_attention, context_kv, load_ops
+from dflash_trt.ops.drafting import DrafterPlugins, enable_plugins, greedy_accept, rejection_accept
 from tests.conftest import make_drafter, make_target
 from tests.plugins import cases
 from tests.plugins.conftest import VARIANTS, greedy_jobs, reference_greedy, run_engine
@@ -128,7 +128,7 @@ def test_rejection_reference_at_zero_drafts_draws_from_the_bonus_row():
     acc, emit, new, committed = accept.rejection_accept_reference(
         torch.zeros(4, 0, dtype=torch.int64), q, p, ua, ue, valid, lens
     )
-    from dflash_trt.engine.sampling import sample_from_probs
+    from dflash_trt.spec.sampling import sample_from_probs
 
     assert acc.tolist() == [0] * 4 and torch.equal(emit, sample_from_probs(p[:, 0], ue[:, 0]))
     assert torch.equal(new, lens + 1) and torch.equal(committed[:, 0], emit)
@@ -229,7 +229,7 @@ def test_engine_with_plugins_is_lossless_for_drafter_variants(plugin_pair, varia
 
 def test_plugins_default_off_on_cpu(plugin_pair):
     from dflash_trt.engine.engine import EngineConfig
-    from dflash_trt.plugins import default_enabled
+    from dflash_trt.ops import default_enabled
 
     assert EngineConfig().use_plugins is None
     assert not default_enabled(torch.device("cpu"))
@@ -241,7 +241,7 @@ def test_plugins_default_off_on_cpu(plugin_pair):
 def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog, target):
     """enable_plugins(check=True) runs every op against its reference; a kernel that disagrees or
     raises (as a kernel failing to compile would) disables the plugin with a warning."""
-    from dflash_trt.plugins import _registry
+    from dflash_trt.ops import _registry
 
     drafter = make_drafter(target, block_size=5, seed=2, std=0.5, variant="swa")
     plugins, g, _ = enable_plugins(drafter, torch.device("cpu"), check=True)
@@ -254,7 +254,7 @@ def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog,
         return (out[0] * 0, *out[1:])
 
     monkeypatch.setattr(accept, "launch_greedy_accept", wrong_greedy)
-    with caplog.at_level(logging.WARNING, logger="dflash_trt.plugins.drafting"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trt.ops.drafting"):
         plugins, g, r = enable_plugins(drafter, torch.device("cpu"), check=True)
     assert plugins is None and g is verify.greedy_accept and r is verify.rejection_accept
     assert "greedy_accept disagrees" in caplog.text
@@ -268,13 +268,13 @@ def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog,
 
     monkeypatch.setattr(block_attention, "launch_block_attention", broken)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash_trt.plugins.drafting"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trt.ops.drafting"):
         plugins, _, _ = enable_plugins(drafter, torch.device("cpu"), check=True)
     assert plugins is None and "PassManager::run failed" in caplog.text
 
 
 def test_set_triton_on_cpu_refuses_without_the_interpreter(monkeypatch):
-    from dflash_trt.plugins import _registry
+    from dflash_trt.ops import _registry
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

@@ -33,9 +33,9 @@ def run(args: list[str], capsys) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def pair():
-    from dflash_trt.engine.checkpoint import load_drafter
-    from dflash_trt.engine.loading import default_stop_token_ids, load_tokenizer
-    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer
+    from dflash_trt.reference.hf_target import HFTarget
     from dflash_trt.tiny import ensure_tiny
 
     paths = ensure_tiny()
@@ -77,7 +77,7 @@ def test_tiny_greedy_is_lossless_through_the_cli(capsys):
 
 
 def test_tiny_is_lossless_in_the_engine_at_batch_4():
-    from dflash_trt.llmapi import LLM, SamplingParams
+    from dflash_trt.api.llm import LLM, SamplingParams
     from dflash_trt.tiny import heldout_prompts
 
     prompts = heldout_prompts()[:4]

@@ -90,7 +90,7 @@ def test_loss_decreases_on_a_toy_set():
 def test_cli_trains_exports_and_resumes_exactly(toy, tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from dflash_trt.engine.checkpoint import load_drafter
+    from dflash_trt.models.checkpoint import load_drafter
 
     tdir, data = toy
     straight, half = tmp_path / "straight", tmp_path / "half"
@@ -208,9 +208,9 @@ def test_trained_checkpoint_loads_in_the_reference_package(toy, tmp_path, monkey
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from dflash_trt.engine.checkpoint import load_drafter
-    from dflash_trt.engine.generate import spec_generate
-    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
     from dflash_trt.training.trainer import TrainConfig, train_drafter
 
     tdir, data = toy
@@ -236,9 +236,9 @@ def test_trained_checkpoint_loads_in_the_reference_package(toy, tmp_path, monkey
 
 
 def test_regeneration_is_the_targets_own_greedy_answer_and_is_cached(toy, tmp_path, monkeypatch):
-    from dflash_trt.engine.generate import spec_generate
-    from dflash_trt.engine.loading import default_stop_token_ids
-    from dflash_trt.engine.target import HFTarget
+    from dflash_trt.models.sources import default_stop_token_ids
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
     from dflash_trt.training import regenerate as rg
     from dflash_trt.training.data import Sample
 

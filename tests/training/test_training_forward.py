@@ -97,7 +97,7 @@ def _features(target, ids, layer_ids):
 
 @pytest.mark.parametrize("variant", ["plain", "swa", "gpt_oss"])
 def test_training_forward_equals_inference_forward(variant):
-    from dflash_trt.engine.kv_cache import context_index, slot_mapping
+    from dflash_trt.layers.kv_cache import context_index, slot_mapping
 
     torch.manual_seed(0)
     target = make_target("qwen3")
@@ -143,7 +143,7 @@ def test_sparse_attention_equals_dense_mask():
     """The block-sparse softmax equals plain attention under the dense `block_mask`."""
     from torch.nn import functional as F
 
-    from dflash_trt.engine.rope import apply_rope
+    from dflash_trt.layers.rope import apply_rope
 
     torch.manual_seed(1)
     target = make_target("qwen3")

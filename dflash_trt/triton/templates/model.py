@@ -143,7 +143,7 @@ class TritonPythonModel:
 
             self.llm = LLM(**update_llm_args_with_extra_dict({}, cfg))
         elif self.engine_kind == "dflash_trt":
-            from dflash_trt.llmapi import LLM, SamplingParams
+            from dflash_trt import LLM, SamplingParams
 
             self.llm = LLM(**cfg)
         else:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 
+from dflash_trt.api.llm import LLM as _EmbeddedLLM
+from dflash_trt.api.llm import SamplingParams
 from dflash_trt.builder.llm_api import validate_against_field_list
-from dflash_trt.llmapi import LLM as _EmbeddedLLM
-from dflash_trt.llmapi import SamplingParams
 
 __version__ = "0.0.0-contract-stand-in"
 __all__ = ["LLM", "SamplingParams"]

@@ -16,13 +16,12 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash_trt.engine.checkpoint import TargetInfo, read_json
-from dflash_trt.engine.features import extract_context_feature
-from dflash_trt.errors import CheckpointError, EnvironmentMissing, UsageError
+from dflash_trt.errors import CheckpointError
+from dflash_trt.models.checkpoint import read_json
+from dflash_trt.models.dflash_config import TargetInfo, target_info_from_config
+from dflash_trt.models.features import extract_context_feature
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetAdapter(Protocol):
@@ -49,39 +48,6 @@ class TargetAdapter(Protocol):
 
     @property
     def cache_length(self) -> int: ...
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EnvironmentMissing("--device cuda requested but CUDA is not available", hint="use --device cpu")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UsageError(f"--device={device!r} is not supported", hint="use cpu or cuda")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype={dtype!r} is not supported", hint=f"use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def target_info_from_config(cfg: dict[str, Any]) -> TargetInfo:
-    text = cfg.get("text_config") or cfg
-    try:
-        return TargetInfo(
-            hidden_size=int(text["hidden_size"]),
-            num_hidden_layers=int(text["num_hidden_layers"]),
-            vocab_size=int(text["vocab_size"]),
-            architecture=(cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0],
-        )
-    except KeyError as exc:
-        raise CheckpointError(
-            f"target config.json lacks {exc.args[0]!r}", hint="pass a transformers causal-LM directory"
-        ) from exc
 
 
 class HFTarget:

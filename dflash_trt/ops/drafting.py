@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from dflash_trt.engine import verify
-from dflash_trt.engine.rope import apply_rope
-from dflash_trt.plugins import load_ops
+from dflash_trt.layers.rope import apply_rope
+from dflash_trt.ops import load_ops
 
 if TYPE_CHECKING:
-    from dflash_trt.engine.drafter import DFlashDrafter, DraftLayer
-    from dflash_trt.engine.kv_cache import PagedKVCache
+    from dflash_trt.layers.kv_cache import PagedKVCache
+    from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DrafterPlugins:
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         load_ops()
-        from dflash_trt.plugins.context_kv import stack_kv_weights
+        from dflash_trt.ops.context_kv import stack_kv_weights
 
         self.drafter = drafter
         layers = [cast("DraftLayer", m) for m in drafter.layers]
@@ -195,7 +195,7 @@ def enable_plugins(
 def self_check(drafter: DFlashDrafter | None, device: torch.device) -> str | None:
     """Run each op on `device` (Triton on CUDA) against its reference on small random inputs of the
     drafter's sizes. Returns None when all agree, else a description of the first problem."""
-    from dflash_trt.plugins import accept, block_attention, context_kv
+    from dflash_trt.ops import accept, block_attention, context_kv
 
     gen = torch.Generator(device="cpu").manual_seed(0)
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Load ModelOpt unified-HF exports into the embedded engine by dequantizing their weights.
+"""Dequantize packed checkpoint weights on load: ModelOpt unified-HF exports and gpt-oss MXFP4.
 
   FP8    weight: float8_e4m3fn [out, in], weight_scale: fp32 scalar (or per channel)
          W = weight * weight_scale
@@ -9,6 +9,8 @@
 Activation scales (input_scale) and KV-cache scales (k_scale, v_scale) are dropped: the embedded
 engine computes in its own dtype, so a quantized bundle reproduces the quantized *weights* exactly
 but not TensorRT-LLM's activation/KV quantization.
+  MXFP4  (gpt-oss experts) `*_blocks` uint8 + `*_scales` uint8: E2M1 codes, two per byte with the
+         low nibble first, times 2^(scale - 127) per 32-element block.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ NVFP4_BLOCK = 16
 _DROPPED = ("input_scale", "k_scale", "v_scale", "output_scale", "weight_scale_inv")
 
 
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> fp32 [..., 2n]: two E2M1 codes per byte, low nibble first."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    return torch.stack([lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]], dim=-1).flatten(-2)
+
+
 def dequantize_nvfp4(
     packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor
 ) -> torch.Tensor:
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
-    vals = torch.stack([lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]], dim=-1).flatten(
-        -2
-    )  # [out, in]
+    vals = unpack_e2m1(packed)  # [out, in]
     blocks = vals.view(*vals.shape[:-1], -1, NVFP4_BLOCK)
     scale = block_scale.float() * global_scale.float()
     return (blocks * scale[..., None]).view_as(vals)
@@ -54,3 +59,12 @@ def dequantize_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
         else:
             out[name] = tensor
     return out, fmt
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks: [..., rows, G, 16] uint8; scales: [..., rows, G] uint8 -> [..., G * 32, rows] (transposed
+    to the [in, out] layout of the bf16 gpt-oss experts)."""
+    vals = unpack_e2m1(blocks)  # [..., rows, G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None])
+    out = vals.flatten(-2)  # [..., rows, G * 32]
+    return out.transpose(-1, -2).contiguous().to(dtype)

@@ -37,9 +37,9 @@ import math
 import torch
 
 from dflash_trt.engine import verify
-from dflash_trt.engine.sampling import sample_from_probs
-from dflash_trt.plugins import _registry as reg
-from dflash_trt.plugins._registry import jit, tl
+from dflash_trt.ops import _registry as reg
+from dflash_trt.ops._registry import jit, tl
+from dflash_trt.spec.sampling import sample_from_probs
 
 DEFAULT_BLOCK_V = 1024  # vocabulary entries per tile
 ARGMAX_SPLIT = 8192  # vocabulary entries per argmax program (untuned)

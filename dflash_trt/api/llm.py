@@ -334,12 +334,12 @@ class LLM:
                 )
         import torch
 
-        from dflash_trt.engine.checkpoint import read_json
         from dflash_trt.engine.engine import EngineConfig, LLMEngine
-        from dflash_trt.engine.loading import default_stop_token_ids, load_tokenizer, resolve_models
-        from dflash_trt.engine.spec_config import DFlashDecodingConfig
-        from dflash_trt.engine.target import resolve_device, resolve_dtype
-        from dflash_trt.models.config import parse_target_config
+        from dflash_trt.models.checkpoint import read_json
+        from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer, resolve_models
+        from dflash_trt.models.target_config import parse_target_config
+        from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+        from dflash_trt.utils.device import resolve_device, resolve_dtype
 
         spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
         drafter_arg = None

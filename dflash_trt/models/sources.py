@@ -79,7 +79,7 @@ def default_stop_token_ids(target_dir: Path, tokenizer: Any | None) -> list[int]
 
 def resolve_mask_token_id(drafter_dir: Path, tokenizer: Any | None) -> int | None:
     """Older checkpoints lack dflash_config.mask_token_id: fall back to the tokenizer's <|MASK|>."""
-    from dflash_trt.engine.checkpoint import read_json
+    from dflash_trt.models.checkpoint import read_json
 
     cfg = read_json(drafter_dir / "config.json", what="drafter config")
     if (cfg.get("dflash_config") or {}).get("mask_token_id") is not None or cfg.get(

@@ -13,6 +13,7 @@ so between rounds the draft cache holds exactly positions [0, start).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,20 @@ class PagedKVCache:
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, config: Any, *, num_pages: int, page_size: int, like: torch.Tensor) -> PagedKVCache:
+        """A cache for a model whose config has num_hidden_layers, num_key_value_heads and head_dim,
+        in the dtype and on the device of `like` (one of its weights)."""
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=like.dtype,
+            device=like.device,
+        )
 
     @property
     def bytes(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.engine.sampling import sample_from_probs
+from dflash_trt.spec.sampling import sample_from_probs
 
 
 def greedy_accept(

@@ -24,10 +24,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trt.engine.checkpoint import DFlashConfig
-from dflash_trt.engine.kv_cache import PagedKVCache
-from dflash_trt.engine.layers import RMSNorm, SwiGLU, visibility_mask
-from dflash_trt.engine.rope import RotaryEmbedding, apply_rope
+from dflash_trt.layers.kv_cache import PagedKVCache
+from dflash_trt.layers.masks import visibility_mask
+from dflash_trt.layers.mlp import SwiGLU
+from dflash_trt.layers.norm import RMSNorm
+from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
+from dflash_trt.models.dflash_config import DFlashConfig
 
 
 class DraftAttention(nn.Module):
@@ -143,15 +145,9 @@ class DFlashDrafter(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
-    def make_cache(self, *, num_pages: int, page_size: int, device=None, dtype=None) -> PagedKVCache:
-        return PagedKVCache(
-            num_layers=self.config.num_hidden_layers,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=self.config.num_key_value_heads,
-            head_dim=self.config.head_dim,
-            dtype=dtype or self.fc.weight.dtype,
-            device=device or self.fc.weight.device,
+    def make_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
+        return PagedKVCache.for_model(
+            self.config, num_pages=num_pages, page_size=page_size, like=self.fc.weight
         )
 
     # --- the math -------------------------------------------------------------------------

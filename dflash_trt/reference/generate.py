@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_trt.engine.drafter import DFlashDrafter
-from dflash_trt.engine.kv_cache import PageAllocator, SequencePages, context_index, pages_for, slot_mapping
-from dflash_trt.engine.sampling import (
+from dflash_trt.errors import ConfigError
+from dflash_trt.layers.kv_cache import PageAllocator, SequencePages, context_index, pages_for, slot_mapping
+from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.reference.hf_target import TargetAdapter
+from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
     PURPOSE_EMIT,
@@ -30,9 +33,6 @@ from dflash_trt.engine.sampling import (
     seed_tensor,
     uniform,
 )
-from dflash_trt.engine.target import TargetAdapter
-from dflash_trt.engine.verify import greedy_accept, rejection_accept
-from dflash_trt.errors import ConfigError
 
 DRAFT_PAGE_SIZE = 16
 

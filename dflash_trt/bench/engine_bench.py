@@ -80,9 +80,9 @@ def run_engine_benchmark(
     import torch
 
     from dflash_trt import __version__
-    from dflash_trt.engine.checkpoint import load_drafter_config
-    from dflash_trt.engine.loading import resolve_models
-    from dflash_trt.llmapi import LLM, SamplingParams
+    from dflash_trt.api.llm import LLM, SamplingParams
+    from dflash_trt.models.checkpoint import load_drafter_config
+    from dflash_trt.models.sources import resolve_models
 
     models = resolve_models(target, drafter)
     points: list[Point] = []

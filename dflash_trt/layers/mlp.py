@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The gated MLP of Llama-family decoders and the DFlash drafter."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
