@@ -24,9 +24,9 @@ _LAZY: dict[str, str] = {
     "build_target_layer_ids": "dflash_trt.models.features:build_target_layer_ids",
     "ensure_tiny": "dflash_trt.tiny:ensure_tiny",
     "LLM": "dflash_trt.api.llm:LLM",
-    "SamplingParams": "dflash_trt.api.llm:SamplingParams",
-    "KvCacheConfig": "dflash_trt.api.llm:KvCacheConfig",
-    "CudaGraphConfig": "dflash_trt.api.llm:CudaGraphConfig",
+    "SamplingParams": "dflash_trt.api.params:SamplingParams",
+    "KvCacheConfig": "dflash_trt.api.params:KvCacheConfig",
+    "CudaGraphConfig": "dflash_trt.api.params:CudaGraphConfig",
     "DFlashDecodingConfig": "dflash_trt.spec.decoding_config:DFlashDecodingConfig",
 }
 
@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dflash_trt.api.llm import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams
+    from dflash_trt.api.llm import LLM
+    from dflash_trt.api.params import CudaGraphConfig, KvCacheConfig, SamplingParams
     from dflash_trt.models.checkpoint import load_drafter
     from dflash_trt.models.dflash_config import DFlashConfig, parse_dflash_config
     from dflash_trt.models.drafter import DFlashDrafter

@@ -5,7 +5,7 @@ A round, for bs sequences at anchor positions start_i with block length B_i <= B
   1. inject the pending context (target features of the previous round's committed tokens) into
      the draft cache — always, even when this round does not draft, so the draft cache never
      falls behind;
-  2. draft g tokens per sequence in one block pass (slots >= B_i hidden, which reproduces a
+  2. draft g tokens per sequence in one block pass (block positions >= B_i hidden, which reproduces a
      block of size B_i exactly);
   3. verify [anchor, drafts] with the target in one pass, writing K/V for the B_i valid tokens and
      keeping the layer taps as the next round's pending context;
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +39,7 @@ from dflash_trt.spec.sampling import (
 )
 
 if TYPE_CHECKING:
-    from dflash_trt.engine.sequence import Sequence
+    from dflash_trt.engine.request import Request
     from dflash_trt.models.decoder import NativeTarget
     from dflash_trt.models.drafter import DFlashDrafter
 
@@ -66,7 +66,6 @@ class PhaseTimes:
     accept_s: float = 0.0
     round_s: float = 0.0
     rounds: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -107,9 +106,9 @@ class ModelRunner:
             drafter.bind_target(target.model.embed_tokens.weight, target.lm_head.weight, None)
             self.tap_layers = list(drafter.config.target_layer_ids)
             self.feature_dim = drafter.config.num_target_features * drafter.config.hidden_size
-            # Pending context per slot: target taps of the last round's tokens [slots + 1, B, K*D].
+            # Pending context per request row: target taps of the last round's tokens [rows + 1, B, K*D].
             # The extra last row belongs to padding rows of captured rounds.
-            self.pending = torch.zeros(
+            self.pending_feats = torch.zeros(
                 max_batch_size + 1,
                 self.block_size,
                 self.feature_dim,
@@ -141,33 +140,33 @@ class ModelRunner:
         if self.profile and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(self.device)
 
-    def _tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
-        rows = [s.pages[:width] + [0] * (width - min(width, len(s.pages))) for s in seqs]
+    def _tables(self, reqs: list[Request], width: int) -> torch.Tensor:
+        rows = [s.pages[:width] + [0] * (width - min(width, len(s.pages))) for s in reqs]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> list[int | None]:
+    def prefill(self, reqs: list[Request], chunks: list[tuple[int, int]]) -> list[int | None]:
         """Run prompt chunks [lo, hi) of several sequences in one padded pass.
 
         Writes target K/V, injects the chunk's context into the draft cache, and returns the first
         generated token for sequences whose prompt is now complete (None for the others).
         """
         t0 = time.perf_counter()
-        bs = len(seqs)
+        bs = len(reqs)
         t = max(hi - lo for lo, hi in chunks)
         dev = self.device
         ids = torch.zeros(bs, t, dtype=torch.long)
         pos = torch.zeros(bs, t, dtype=torch.long)
         valid = torch.zeros(bs, t, dtype=torch.bool)
-        for i, (s, (lo, hi)) in enumerate(zip(seqs, chunks)):
+        for i, (s, (lo, hi)) in enumerate(zip(reqs, chunks)):
             ids[i, : hi - lo] = torch.tensor(s.prompt_ids[lo:hi])
             pos[i, : hi - lo] = torch.arange(lo, hi)
             pos[i, hi - lo :] = hi  # padding rows sit after the chunk, masked as keys
             valid[i, : hi - lo] = True
         ids, pos, valid = ids.to(dev), pos.to(dev), valid.to(dev)
         width = pages_for(max(hi for _, hi in chunks), self.page_size)
-        tables = self._tables(seqs, width)
-        slots = torch.where(
+        tables = self._tables(reqs, width)
+        kv_slots = torch.where(
             valid, slot_mapping(tables, pos.clamp(max=width * self.page_size - 1), self.page_size), 0
         )
         seq_lens = torch.tensor([hi for _, hi in chunks], device=dev)
@@ -177,7 +176,7 @@ class ModelRunner:
             pos,
             seq_lens,
             self.target_cache,
-            slots,
+            kv_slots,
             context_index(tables, self.page_size),
             tap_layers=self.tap_layers,
             logits_index=last,
@@ -185,20 +184,20 @@ class ModelRunner:
         if self.drafter is not None and taps is not None:
             assert self.draft_cache is not None
             drafting = self.plugins or self.drafter
-            drafting.inject_context(self.draft_cache, taps[valid], pos[valid], slots[valid])
-        done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(seqs, chunks)]
+            drafting.inject_context(self.draft_cache, taps[valid], pos[valid], kv_slots[valid])
+        done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(reqs, chunks)]
         firsts: list[int | None] = [None] * bs
         if any(done):
-            temps = torch.tensor([s.temperature for s in seqs], device=dev)
+            temps = torch.tensor([s.temperature for s in reqs], device=dev)
             probs = logits_to_probs(
                 logits,
                 temps,
-                torch.tensor([s.top_k for s in seqs], device=dev),
-                torch.tensor([s.top_p for s in seqs], device=dev),
-                needs_filter=any(s.needs_filter for s in seqs),
-                any_greedy=any(s.temperature == 0 for s in seqs),
+                torch.tensor([s.top_k for s in reqs], device=dev),
+                torch.tensor([s.top_p for s in reqs], device=dev),
+                needs_filter=any(s.needs_filter for s in reqs),
+                any_greedy=any(s.temperature == 0 for s in reqs),
             )
-            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+            seeds = torch.tensor([s.seed for s in reqs], dtype=torch.long, device=dev)
             u = uniform(seeds, seq_lens[:, None], PURPOSE_EMIT)[:, 0]
             tokens = sample_from_probs(probs, u).tolist()
             firsts = [tok if d else None for tok, d in zip(tokens, done)]
@@ -208,31 +207,31 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_round(self, seqs: list[Sequence], draft_len: int) -> RoundOutput:
-        """One round for `seqs` (all running) with g = draft_len drafts each (0 = plain decoding)."""
+    def decode_round(self, reqs: list[Request], draft_len: int) -> RoundOutput:
+        """One round for `reqs` (all running) with g = draft_len drafts each (0 = plain decoding)."""
         t0 = time.perf_counter()
         g = draft_len if self.drafter is not None else 0
         bq = g + 1
-        bs = len(seqs)
-        width = pages_for(max(s.start + min(bq, s.max_len - s.start) for s in seqs), self.page_size)
+        bs = len(reqs)
+        width = pages_for(max(s.start + min(bq, s.max_len - s.start) for s in reqs), self.page_size)
         inputs: dict[str, list[Any]] = {
-            "anchors": [s.last_token for s in seqs],
-            "starts": [s.start for s in seqs],
-            "block_lens": [min(bq, s.max_len - s.start) for s in seqs],
-            "pending": [s.pending for s in seqs],
-            "slot_ids": [s.slot for s in seqs],
-            "seeds": [s.seed for s in seqs],
-            "temps": [s.temperature for s in seqs],
-            "top_k": [s.top_k for s in seqs],
-            "top_p": [s.top_p for s in seqs],
-            "greedy_draft": [s.greedy_draft or s.temperature == 0 for s in seqs],
+            "anchors": [s.last_token for s in reqs],
+            "starts": [s.start for s in reqs],
+            "block_lens": [min(bq, s.max_len - s.start) for s in reqs],
+            "num_pending": [s.num_pending for s in reqs],
+            "rows": [s.row for s in reqs],
+            "seeds": [s.seed for s in reqs],
+            "temps": [s.temperature for s in reqs],
+            "top_k": [s.top_k for s in reqs],
+            "top_p": [s.top_p for s in reqs],
+            "greedy_draft": [s.greedy_draft or s.temperature == 0 for s in reqs],
         }
         flags = (
-            all(s.temperature == 0 for s in seqs),
-            any(s.temperature == 0 for s in seqs),
-            any(s.needs_filter for s in seqs),
+            all(s.temperature == 0 for s in reqs),
+            any(s.temperature == 0 for s in reqs),
+            any(s.needs_filter for s in reqs),
         )
-        tables = [s.pages for s in seqs]
+        tables = [s.pages for s in reqs]
         if self.static_rounds and not self._graph_failed:
             try:
                 acc, emit, drafts = self._replay(inputs, tables, bs, g, width, flags)
@@ -256,7 +255,7 @@ class ModelRunner:
         rows = [p[:width] + [0] * (width - min(width, len(p))) for p in tables]
         return self._round_core(
             t["anchors"], t["starts"], t["block_lens"], torch.tensor(rows, dtype=torch.long, device=dev),
-            t["pending"], t["slot_ids"], t["seeds"], t["temps"].float(), t["top_k"], t["top_p"].float(),
+            t["num_pending"], t["rows"], t["seeds"], t["temps"].float(), t["top_k"], t["top_p"].float(),
             t["greedy_draft"], g=g, flags=flags,
         )  # fmt: skip
 
@@ -266,8 +265,8 @@ class ModelRunner:
         starts: torch.Tensor,  # [bs] anchor positions (= tokens in the target cache)
         block_lens: torch.Tensor,  # [bs] B_i <= g + 1
         tables: torch.Tensor,  # [bs, W] block tables, padded with page 0
-        pending: torch.Tensor,  # [bs] valid rows of the pending context
-        slot_ids: torch.Tensor,  # [bs] rows of self.pending
+        num_pending: torch.Tensor,  # [bs] valid rows of each request's pending context
+        rows: torch.Tensor,  # [bs] each request's row in the per-request buffers (self.pending_feats)
         seeds: torch.Tensor,  # [bs] int64
         temps: torch.Tensor,  # [bs]
         top_k: torch.Tensor,  # [bs]
@@ -293,13 +292,13 @@ class ModelRunner:
         q_probs = None
         if self.drafter is not None:
             assert self.draft_cache is not None
-            # 1. KV injection of the pending context (rows >= pending go to the padding page).
-            w = self.pending.shape[1]
+            # 1. KV injection of the pending context (rows >= num_pending go to the padding page).
+            w = self.pending_feats.shape[1]
             r = torch.arange(w, device=dev)
-            ctx_pos = starts[:, None] - pending[:, None] + r  # [bs, w]
-            ctx_ok = r[None, :] < pending[:, None]
+            ctx_pos = starts[:, None] - num_pending[:, None] + r  # [bs, w]
+            ctx_ok = r[None, :] < num_pending[:, None]
             ctx_slots = torch.where(ctx_ok, slot_mapping(tables, ctx_pos.clamp(0, cap), ps), 0)
-            feats = self.pending[slot_ids]  # [bs, w, K*D]
+            feats = self.pending_feats[rows]  # [bs, w, K*D]
             (self.plugins or self.drafter).inject_context(
                 self.draft_cache,
                 feats.reshape(bs * w, -1),
@@ -337,18 +336,18 @@ class ModelRunner:
 
         # 3. verify [anchor, drafts] in one target pass
         tokens = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, Bq]
-        slots = torch.where(blk_valid, slot_mapping(tables, block_pos.clamp(max=cap), ps), 0)
+        kv_slots = torch.where(blk_valid, slot_mapping(tables, block_pos.clamp(max=cap), ps), 0)
         logits, taps = self.target(
             tokens,
             block_pos,
             starts + block_lens,
             self.target_cache,
-            slots,
+            kv_slots,
             ctx_idx,
             tap_layers=self.tap_layers,
         )  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
         if taps is not None:
-            self.pending[slot_ids, :bq] = taps.to(self.pending.dtype)
+            self.pending_feats[rows, :bq] = taps.to(self.pending_feats.dtype)
         self._sync()
         t_accept = time.perf_counter()
 
@@ -421,8 +420,8 @@ class _StaticRound:
             "starts": torch.ones(bs, dtype=i64, device=dev),  # padding rows: one garbage token at position 0
             "block_lens": torch.ones(bs, dtype=i64, device=dev),
             "tables": torch.zeros(bs, width, dtype=i64, device=dev),
-            "pending": torch.zeros(bs, dtype=i64, device=dev),
-            "slot_ids": torch.zeros(bs, dtype=i64, device=dev),
+            "num_pending": torch.zeros(bs, dtype=i64, device=dev),
+            "rows": torch.zeros(bs, dtype=i64, device=dev),
             "seeds": torch.zeros(bs, dtype=i64, device=dev),
             "temps": torch.zeros(bs, dtype=torch.float32, device=dev),
             "top_k": torch.zeros(bs, dtype=i64, device=dev),
@@ -446,9 +445,9 @@ class _StaticRound:
     def _fill_padding(self) -> None:
         self.buf["starts"].fill_(1)
         self.buf["block_lens"].fill_(1)
-        self.buf["pending"].zero_()
+        self.buf["num_pending"].zero_()
         self.buf["tables"].zero_()
-        self.buf["slot_ids"].fill_(self.runner.max_batch_size)  # the spare pending row
+        self.buf["rows"].fill_(self.runner.max_batch_size)  # the spare pending row
 
     def run(self, inputs: dict[str, list], tables: list[list[int]], bs: int):
         dev = self.runner.device

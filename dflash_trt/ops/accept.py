@@ -3,7 +3,7 @@
 on device, with no host synchronisation.
 
 Contract (N sequences, g drafts each; row j of the target output judges draft j + 1, row g is the
-bonus distribution — `engine/verify.py`):
+bonus distribution — `spec/accept.py`):
   draft_tokens   [N, g] int64
   target_logits  [N, g + 1, V]       (greedy) any float dtype
   draft_probs    [N, g, V] float32   (rejection) q, rows of greedy drafts one-hot
@@ -17,7 +17,7 @@ bonus distribution — `engine/verify.py`):
      new_seq_lens [N] int64  seq_lens + a + 1 (the emitted token is the next anchor)
      committed    [N, g + 1] int64  drafts[:a], emitted, then -1
 
-Equality with `verify.py`: accepted lengths and greedy tokens are identical (argmax takes the first
+Equality with `spec/accept.py`: accepted lengths and greedy tokens are identical (argmax takes the first
 maximal index; logits are assumed free of NaN). The rejection path's inverse-CDF draw uses the same
 uniform and the same "first index whose running sum reaches u * total" rule, with fp32 sums in a
 different order (chunked scan vs torch.cumsum), so the two can differ only when u * total lies
@@ -36,16 +36,16 @@ import math
 
 import torch
 
-from dflash_trt.engine import verify
 from dflash_trt.ops import _registry as reg
 from dflash_trt.ops._registry import jit, tl
+from dflash_trt.spec import accept as verify
 from dflash_trt.spec.sampling import sample_from_probs
 
 DEFAULT_BLOCK_V = 1024  # vocabulary entries per tile
 ARGMAX_SPLIT = 8192  # vocabulary entries per argmax program (untuned)
 
 
-# --- references: verify.py plus the commit --------------------------------------------------------
+# --- references: spec/accept.py plus the commit --------------------------------------------------------
 def commit_reference(
     draft_tokens: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor
 ) -> torch.Tensor:

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from dflash_trt.engine import verify
 from dflash_trt.layers.rope import apply_rope
 from dflash_trt.ops import load_ops
+from dflash_trt.spec import accept as verify
 
 if TYPE_CHECKING:
     from dflash_trt.layers.kv_cache import PagedKVCache
@@ -139,7 +139,7 @@ class DrafterPlugins:
         return self.drafter.compute_logits(hidden)
 
 
-# --- acceptance with verify.py's signatures --------------------------------------------------------
+# --- acceptance with spec/accept.py's signatures --------------------------------------------------------
 def greedy_accept(
     draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

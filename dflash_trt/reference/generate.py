@@ -23,6 +23,7 @@ from dflash_trt.layers.kv_cache import PageAllocator, SequencePages, context_ind
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
 from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -94,8 +95,7 @@ def spec_generate(
     With `drafter=None` or `block_size=1` this is plain decoding of the target.
     """
     sampling = sampling or SamplingConfig()
-    if not prompt_ids:
-        raise ConfigError("prompt", [], "is empty", hint="pass at least one token")
+    check_prompt_ids([int(t) for t in prompt_ids], target.info.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError("max_new_tokens", max_new_tokens, "must be an integer >= 1")
     if drafter is None:
@@ -107,10 +107,6 @@ def spec_generate(
     drafting = drafter is not None and block_size > 1
     device = target.device
     layer_ids = list(drafter.config.target_layer_ids) if drafting and drafter is not None else None
-    vocab = target.info.vocab_size
-    for i, t in enumerate(prompt_ids):
-        if not 0 <= int(t) < vocab:
-            raise ConfigError(f"prompt_ids[{i}]", t, f"out of range for vocab_size={vocab}")
 
     n = len(prompt_ids)
     max_len = n + max_new_tokens

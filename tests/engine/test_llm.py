@@ -258,7 +258,10 @@ def test_overload_queues_and_kv_admission(pair):
         res = llm.generate([[i % 12 + 1] * 8 for i in range(6)], SamplingParams(max_tokens=30))
         assert all(r.outputs[0].finish_reason == "length" for r in res)
         assert llm.get_stats()["peak_active"] == 1
-        with pytest.raises(RequestError, match=r"needs 80 KV tokens but the whole cache holds 64"):
+        with pytest.raises(
+            RequestError,
+            match=r"needs 80 KV tokens \(prompt 20 \+ max_tokens 60\) but the whole cache holds 64",
+        ):
             llm.generate([1] * 20, SamplingParams(max_tokens=60))
     with LLM(str(tdir), max_batch_size=2, max_seq_len=64) as llm:
         res = llm.generate([[3]] * 9, SamplingParams(max_tokens=10))
@@ -270,9 +273,9 @@ def test_overload_queues_and_kv_admission(pair):
     [
         ([1, 2], {"max_tokens": 0}, r"max_tokens=0 must be an integer >= 1"),
         ([1, 2], {"max_tokens": -5}, r"max_tokens=-5"),
-        ([1, 2], {"top_p": 0.0, "temperature": 1.0}, r"top_p=0.0 must be in \(0, 1\]"),
+        ([1, 2], {"top_p": 0.0, "temperature": 1.0}, r"top_p=0.0: must be in \(0, 1\]"),
         ([1, 2], {"top_p": 1.5}, r"top_p=1.5"),
-        ([1, 2], {"temperature": -0.1}, r"temperature=-0.1 must be >= 0"),
+        ([1, 2], {"temperature": -0.1}, r"temperature=-0.1: must be a finite number >= 0"),
         ([1] * 64, {"max_tokens": 1}, r"prompt has 64 tokens, not below max_seq_len=64"),
         (
             [1] * 40,

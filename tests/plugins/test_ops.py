@@ -16,10 +16,10 @@ import random
 import pytest
 import torch
 
-from dflash_trt.engine import verify
 from dflash_trt.layers.kv_cache import context_index, slot_mapping
 from dflash_trt.ops import accept, block_attention, context_kv, load_ops
 from dflash_trt.ops.drafting import DrafterPlugins, enable_plugins, greedy_accept, rejection_accept
+from dflash_trt.spec import accept as verify
 from tests.conftest import make_drafter, make_target
 from tests.plugins import cases
 from tests.plugins.conftest import VARIANTS, greedy_jobs, reference_greedy, run_engine
@@ -228,7 +228,7 @@ def test_engine_with_plugins_is_lossless_for_drafter_variants(plugin_pair, varia
 
 
 def test_plugins_default_off_on_cpu(plugin_pair):
-    from dflash_trt.engine.engine import EngineConfig
+    from dflash_trt.engine.config import EngineConfig
     from dflash_trt.ops import default_enabled
 
     assert EngineConfig().use_plugins is None

@@ -328,7 +328,7 @@ class TritonPythonModel:
         try:
             sampling = self.SamplingParams(**kwargs)
             if hasattr(sampling, "check"):
-                sampling.check()
+                sampling.check_supported()
         except Exception as exc:  # TypeError/ValueError, or dflash-trt's RequestError (exit_code 2)
             if isinstance(exc, (TypeError, ValueError)) or getattr(exc, "exit_code", None) == 2:
                 raise RequestInputError(str(exc)) from None

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-request state inside the engine."""
+"""A request inside the engine: its parameters as the engine sees them, and its running state."""
 
 from __future__ import annotations
 
@@ -17,7 +17,27 @@ class Status(enum.Enum):
 
 
 @dataclass
-class Sequence:
+class RequestParams:
+    """Per-request parameters in the engine's terms (the LLM API maps SamplingParams onto these).
+    `LLMEngine.add_request` validates every field."""
+
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # besides the end ids
+    ignore_eos: bool = False  # do not stop at the end ids
+    end_id: int | None = None  # the end id; None = the model's eos ids
+    stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    greedy_draft: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Request:
     request_id: int
     prompt_ids: list[int]
     max_len: int  # prompt + max_tokens: generation stops when start + 1 reaches it
@@ -31,15 +51,15 @@ class Sequence:
     min_tokens: int
     include_stop_str_in_output: bool
     detokenizer: Any | None = None
+    owner: Any = None  # opaque to the engine: whoever submitted the request (the LLM's handle)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    slot: int = -1  # row in the runner's per-sequence buffers
+    row: int = -1  # this request's row in the runner's per-request buffers while it holds one
     prefilled: int = 0  # prompt tokens already in the caches
-    pending: int = 0  # rows of pending draft context (committed, not yet injected)
+    num_pending: int = 0  # committed tokens whose target features are not yet in the draft cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    error: str | None = None
     # speculative statistics
     acceptance_lengths: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0

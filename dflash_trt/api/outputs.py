@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""LLM-API outputs with TensorRT-LLM's shapes: RequestOutput, CompletionOutput and perf metrics."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculativeDecodingMetrics:
+    acceptance_rate: float  # accepted drafts / proposed drafts
+    total_accepted_draft_tokens: int
+    total_draft_tokens: int
+    # dflash-trt additions
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round, bonus included
+    mean_acceptance_length: float = 0.0  # tau: mean round length (0.0 before the first round)
+    num_rounds: int = 0
+
+
+@dataclass
+class TimingMetrics:
+    """Offsets on the engine's monotonic clock (datetime.timedelta, like TensorRT-LLM)."""
+
+    arrival_time: datetime.timedelta
+    first_scheduled_time: datetime.timedelta | None
+    first_token_time: datetime.timedelta | None
+    last_token_time: datetime.timedelta | None
+
+
+@dataclass
+class RequestPerfMetrics:
+    timing_metrics: TimingMetrics
+    speculative_decoding: SpeculativeDecodingMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    stop_reason: int | str | None = None
+    text_diff: str = ""  # new text since the previous streamed output of this request
+    token_ids_diff: list[int] = field(default_factory=list)
+    request_perf_metrics: RequestPerfMetrics | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class RequestOutput:
+    """One snapshot of a request (TensorRT-LLM's RequestOutput / GenerationResult shape)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None

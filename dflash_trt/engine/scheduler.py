@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The scheduler: which requests run in the next step, and the KV pages and batch rows they hold.
+
+`schedule()`:
+  1. admits waiting requests in arrival order while a batch row and enough KV pages are free
+     (pages for prompt + max_tokens are reserved up front, so a running request never runs out;
+     a request that could never fit was refused by `LLMEngine.add_request`);
+  2. picks prompt chunks for the requests still prefilling, so that prefill and decode tokens stay
+     within max_num_tokens (a prefill always gets at least one page of tokens, so it progresses);
+  3. puts every running request in the step's round.
+`finish()` returns a request's pages and row. Engine-thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dflash_trt.engine.request import Request, Status
+from dflash_trt.layers.kv_cache import PageAllocator, pages_for
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[Request] = field(default_factory=list)
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # prompt tokens [lo, hi) per prefill
+    decode: list[Request] = field(default_factory=list)  # requests that run a round this step
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(
+        self, *, max_batch_size: int, max_num_tokens: int, num_pages: int, page_size: int, block_size: int
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.page_size = page_size
+        self.block_size = block_size  # tokens a running request may verify per round
+        self.allocator = PageAllocator(num_pages)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.free_rows = list(range(max_batch_size - 1, -1, -1))
+        self.peak_active = 0  # most requests in flight in one step (prefill + decode)
+
+    # --- queries ----------------------------------------------------------------------------------
+    def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
+        return pages_for(prompt_len + max_tokens, self.page_size)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def unfinished(self) -> list[Request]:
+        return [*self.waiting, *self.prefilling, *self.running]
+
+    # --- transitions ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduledStep:
+        self._admit()
+        step = ScheduledStep(decode=list(self.running))
+        budget = self.max_num_tokens - len(self.running) * self.block_size
+        if self.prefilling:
+            budget = max(budget, min(self.max_num_tokens, self.page_size))
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            lo = req.prefilled
+            hi = min(len(req.prompt_ids), lo + budget)
+            step.prefill.append(req)
+            step.chunks.append((lo, hi))
+            budget -= hi - lo
+        self.peak_active = max(self.peak_active, self.num_active)
+        return step
+
+    def start_decoding(self, req: Request) -> None:
+        """The prompt is in the caches and the first token is out: the request joins the rounds."""
+        self.prefilling.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Drop a request from its queue and return its pages and row (idempotent)."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.PREFILL:
+            self.prefilling.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+        req.status = Status.FINISHED
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        if req.row >= 0:
+            self.free_rows.append(req.row)
+            req.row = -1
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows:
+            req = self.waiting[0]
+            need = self.pages_needed(len(req.prompt_ids), req.max_len - len(req.prompt_ids))
+            if need > self.allocator.num_free:
+                break  # first come, first served: later requests wait behind it
+            self.waiting.popleft()
+            req.pages = self.allocator.allocate(need)
+            req.row = self.free_rows.pop()
+            req.status = Status.PREFILL
+            req.first_scheduled_time = time.perf_counter()
+            self.prefilling.append(req)
