@@ -1,6 +1,6 @@
 # dflash-trt: set-up and checks. Both entry points install what they need into ./.venv.
 #   make demo   run the main job on the embedded `tiny` default
-#   make test   ruff + mypy + pytest
+#   make test   ruff + import-linter + mypy + pytest
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -45,6 +45,7 @@ tiny-pair: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests bench build
 	$(VENV)/bin/ruff format --check dflash_trt tests bench build
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
