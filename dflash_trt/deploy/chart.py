@@ -43,7 +43,6 @@ DEFAULT_TRTLLM_IMAGE = ("nvcr.io/nvidia/tritonserver", "26.10-trtllm-python-py3"
 # A placeholder: the CPU image is built from this repository and pushed by the operator.
 DEFAULT_TORCH_IMAGE = ("ghcr.io/dflash-trt/dflash-trt", f"{__version__}-cpu")
 DEFAULT_MODEL_NAME = "tensorrt_llm"
-DEFAULT_MOUNT_PATH = "/models"
 DEFAULT_SSH_SECRET = "dflash-trt-ssh"
 
 # GPUs per node when the manifest does not say: 8 (HGX/DGX), 4 on GB200/GB300 compute trays.

@@ -127,10 +127,3 @@ def values_comments(text: str) -> dict[str, str]:
             comments[".".join(k for _, k in stack)] = " ".join(pending)
             pending = None
     return comments
-
-
-def schema_node(schema: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
-    node: Mapping[str, Any] = schema
-    for part in dotted.split("."):
-        node = _resolve(node["properties"][part], schema)
-    return node

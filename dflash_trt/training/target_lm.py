@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,3 @@ def save_target(
         model.to(torch.float32)
         tokenizer.save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-
-
-def config_dict(cfg: LMTrainConfig) -> dict[str, Any]:
-    return asdict(cfg)
