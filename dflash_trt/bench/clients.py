@@ -26,6 +26,7 @@ from typing import Any
 from dflash_trt.bench.metrics import RawResult
 from dflash_trt.bench.workload import Prompt
 from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.triton.kserve import decode_first_raw, decode_first_typed, encode_raw
 
 PROTOCOLS = ("triton-grpc", "triton-http", "openai-completions", "openai-chat")
 
@@ -400,62 +401,13 @@ def _triton_values(inputs: dict[str, str | None], prompt: Prompt, s: Sampling) -
 
 
 # ---------------------------------------------------------------------------------------- gRPC
-_STRUCT = {
-    "BOOL": "<?",
-    "INT32": "<i",
-    "UINT32": "<I",
-    "INT64": "<q",
-    "UINT64": "<Q",
-    "FP32": "<f",
-    "FP64": "<d",
-}
-
-
-def _raw_tensor(datatype: str, value: Any) -> bytes:
-    import struct
-
-    if datatype == "BYTES":
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        return struct.pack("<I", len(data)) + data
-    if datatype in ("FP32", "FP64"):
-        return struct.pack(_STRUCT[datatype], float(value))
-    if datatype == "BOOL":
-        return struct.pack("<?", bool(value))
-    return struct.pack(_STRUCT[datatype], int(value))
-
-
-def _decode_first(datatype: str, raw: bytes) -> Any:
-    import struct
-
-    if not raw:
-        return None
-    if datatype == "BYTES":
-        (n,) = struct.unpack_from("<I", raw)
-        return raw[4 : 4 + n].decode("utf-8", errors="replace")
-    fmt = _STRUCT.get(datatype)
-    return struct.unpack_from(fmt, raw)[0] if fmt else None
-
-
-_CONTENT_FIELDS = {
-    "BOOL": "bool_contents",
-    "INT32": "int_contents",
-    "UINT32": "uint_contents",
-    "INT64": "int64_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
-
-
 def _output_value(resp: Any, i: int, out: Any) -> Any:
     """First element of output i of a ModelInferResponse (raw contents, or typed contents)."""
     raws = resp.raw_output_contents
     if i < len(raws):
-        return _decode_first(out.datatype, raws[i])
-    field_name = _CONTENT_FIELDS.get(out.datatype)
-    seq = getattr(out.contents, field_name) if field_name else []
-    v = seq[0] if seq else None
+        v = decode_first_raw(out.datatype, raws[i])
+    else:
+        v = decode_first_typed(out.datatype, out.contents)
     return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
 
 
@@ -529,7 +481,7 @@ class TritonGrpcClient(Client):
         req = self._pb.ModelInferRequest(model_name=self.model, id=str(prompt.index))
         for name, (dtype, value) in _triton_values(self._inputs, prompt, self.sampling).items():
             req.inputs.add(name=name, datatype=dtype, shape=[1])
-            req.raw_input_contents.append(_raw_tensor(dtype, value))
+            req.raw_input_contents.append(encode_raw(dtype, value))
         # one empty final response at worst; the last response carries triton_final_response=true
         req.parameters["triton_enable_empty_final_response"].bool_param = True
         return req

@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import json
 import logging
-import struct
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from dflash_trt.triton.kserve import decode_first_raw, decode_first_typed, encode_raw
 
 log = logging.getLogger(__name__)
 
@@ -181,35 +182,6 @@ class ServerLog:
     active: int = 0
     peak_active: int = 0
     count: int = 0
-
-
-# ----------------------------------------------------------------------------------------------
-# gRPC tensor encoding (KServe v2 raw contents: little-endian; BYTES = 4-byte length + bytes)
-
-_STRUCT = {
-    "BOOL": "<?",
-    "INT32": "<i",
-    "UINT32": "<I",
-    "INT64": "<q",
-    "UINT64": "<Q",
-    "FP32": "<f",
-    "FP64": "<d",
-}
-
-
-def encode_raw(datatype: str, value: Any) -> bytes:
-    if datatype == "BYTES":
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        return struct.pack("<I", len(data)) + data
-    return struct.pack(_STRUCT[datatype], value)
-
-
-def decode_raw(datatype: str, raw: bytes) -> Any:
-    """The first element of a raw KServe tensor."""
-    if datatype == "BYTES":
-        (n,) = struct.unpack_from("<I", raw)
-        return raw[4 : 4 + n]
-    return struct.unpack_from(_STRUCT[datatype], raw)[0]
 
 
 class ScriptedServer:
@@ -650,9 +622,9 @@ class _GrpcService:
                     f"expecting {declared[tensor.name]}"
                 )
             if idx < len(request.raw_input_contents):
-                value = decode_raw(tensor.datatype, request.raw_input_contents[idx])
+                value = decode_first_raw(tensor.datatype, request.raw_input_contents[idx])
             else:
-                value = _first_content(tensor.datatype, tensor.contents)
+                value = decode_first_typed(tensor.datatype, tensor.contents)
             inputs[tensor.name] = value.decode() if isinstance(value, bytes) else value
         return inputs, None
 
@@ -737,21 +709,6 @@ class _GrpcService:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
-
-
-def _first_content(datatype: str, contents: Any) -> Any:
-    fields = {
-        "BOOL": "bool_contents",
-        "INT32": "int_contents",
-        "UINT32": "uint_contents",
-        "INT64": "int64_contents",
-        "UINT64": "uint64_contents",
-        "FP32": "fp32_contents",
-        "FP64": "fp64_contents",
-        "BYTES": "bytes_contents",
-    }
-    values = getattr(contents, fields[datatype])
-    return values[0] if values else None
 
 
 class ScriptedServerThread:
