@@ -8,7 +8,8 @@ Modules (import the one you need; nothing heavy is imported here):
 - `metrics`: per-request records and per-point statistics, with the formula of every metric.
 - `sweep`: closed-loop concurrency and open-loop Poisson sweeps, resumable point by point.
 - `pareto`, `compare`, `plot`: frontiers, A/B comparison at matched interactivity, charts.
-- `scripted_server`: a protocol peer with an exact, known schedule (tests, client overhead).
+- `engine_bench`: the offline embedded-engine benchmark (plain decoding vs DFlash across batch sizes).
+(The scripted protocol peer used by tests and the client-overhead benchmark is `dflash_trt.testing.scripted_server`.)
 """
 
 from __future__ import annotations

@@ -286,6 +286,24 @@ def test_overload_queues_and_kv_admission(pair):
         ([1, 99], {}, r"prompt_ids\[1\]=99: out of range for vocab_size=13"),
         ([1], {"n": 2}, r"only one output per request"),
         ([1], {"stop": "x"}, r"stop strings need a tokenizer"),
+        (
+            [1],
+            {"stop_token_ids": [3, 1000000]},
+            r"stop_token_ids\[1\]=1000000: out of range for vocab_size=13",
+        ),
+        ([1], {"stop_token_ids": [-3]}, r"stop_token_ids\[0\]=-3: out of range"),
+        ([1], {"temperature": "hot"}, r"temperature='hot': must be a finite number"),
+        ([1], {"top_k": 1.5, "temperature": 1.0}, r"top_k=1.5: must be an integer >= 0"),
+        ([1], {"min_tokens": -1}, r"min_tokens=-1 must be an integer >= 0"),
+        ([1], {"seed": -2}, r"seed=-2 must be an integer >= 0"),
+        ({"prompt_token_ids": [1, 99]}, {}, r"prompt_ids\[1\]=99: out of range"),
+        (
+            {"prompt": "x", "prompt_token_ids": [1]},
+            {},
+            r"exactly one of 'prompt' \(text\) or 'prompt_token_ids'",
+        ),
+        ({"prompt": "x"}, {}, r"a text prompt needs a tokenizer"),
+        (3.5, {}, r"prompt of type float is not a string, a list of token ids"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(pair, prompt, kwargs, pattern):
@@ -335,6 +353,22 @@ def test_stop_strings_stop_ids_and_min_tokens():
             "def f(x):\n", SamplingParams(max_tokens=20, ignore_eos=True, exclude_input_from_output=False)
         ).outputs[0]
         assert whole.text.startswith("def f(x):\n")
+
+
+def test_tensorrt_llm_prompt_forms_give_the_same_output():
+    """str, list[int], {"prompt": str} and {"prompt_token_ids": [...]} (TensorRT-LLM's forms)."""
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(
+        "tiny",
+        speculative_config={"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"},
+    ) as llm:
+        ids = llm.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+        forms = ["def f(x):", ids, {"prompt": "def f(x):"}, {"prompt_token_ids": ids}]
+        outs = llm.generate(forms, sp)
+        single = llm.generate({"prompt_token_ids": ids}, sp)
+    assert len(outs) == 4 and len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert single.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert outs[2].prompt == "def f(x):" and outs[3].prompt is None
 
 
 def test_text_prompts_equal_token_prompts_and_tokenizer():
