@@ -188,8 +188,7 @@ def _kernel_rows(
         logits = randn(bs, g + 1, vocab)
         drafts = logits[:, :g].float().argmax(-1)
         valid = torch.ones(bs, g, dtype=torch.bool, device=dev)
-        lens = torch.zeros(bs, dtype=torch.int64, device=dev)
-        gargs = (drafts, logits, valid, lens)
+        gargs = (drafts, logits, valid)
         record(
             "greedy_accept",
             {"batch": bs, "g": g, "vocab": vocab},
@@ -201,7 +200,7 @@ def _kernel_rows(
         qd = torch.softmax(randn(bs, g, vocab, dt=torch.float32), -1)
         ua = torch.rand(bs, g, device=dev, generator=gen)
         ue = torch.rand(bs, g + 1, device=dev, generator=gen)
-        rargs = (drafts, qd, p, ua, ue, valid, lens)
+        rargs = (drafts, qd, p, ua, ue, valid)
         record(
             "rejection_accept",
             {"batch": bs, "g": g, "vocab": vocab},

@@ -4,8 +4,8 @@
   dflash::inject_context    context-KV injection for newly committed tokens (context_kv.py)
   dflash::block_attention   B block queries over [paged context ; block], GQA, sliding window
                             (block_attention.py)
-  dflash::greedy_accept     greedy verification + commit (accept.py)
-  dflash::rejection_accept  lossless rejection-sampling verification + commit (accept.py)
+  dflash::greedy_accept     greedy verification (accept.py)
+  dflash::rejection_accept  lossless rejection-sampling verification (accept.py)
 
 Each op's default implementation is its PyTorch reference (CPU); CUDA tensors dispatch to the
 Triton launcher. Importing this package imports neither torch nor triton: `load_ops()` registers the

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`dflash::greedy_accept` and `dflash::rejection_accept`: verification and commit for a batch,
-on device, with no host synchronisation.
+"""`dflash::greedy_accept` and `dflash::rejection_accept`: verification for a batch, on device, with
+no host synchronisation.
 
 Contract (N sequences, g drafts each; row j of the target output judges draft j + 1, row g is the
 bonus distribution — `spec/accept.py`):
@@ -11,11 +11,9 @@ bonus distribution — `spec/accept.py`):
   u_accept       [N, g] float32      the u of "accept iff u * q(d) < p(d)"
   u_emit         [N, g + 1] float32  column a: the uniform for emitting after a accepted drafts
   valid          [N, g] bool         False: the slot lies beyond the sequence's block, never accepted
-  seq_lens       [N] int64           committed tokens before the round (= the anchor's position)
-  -> accepted     [N] int64  a = length of the accepted prefix
-     emitted      [N] int64  the target's token after it (correction or bonus)
-     new_seq_lens [N] int64  seq_lens + a + 1 (the emitted token is the next anchor)
-     committed    [N, g + 1] int64  drafts[:a], emitted, then -1
+  -> accepted    [N] int64  a = length of the accepted prefix
+     emitted     [N] int64  the target's token after it (correction or bonus)
+The caller commits drafts[:a] and the emitted token (the engine does so on the host).
 
 Equality with `spec/accept.py`: accepted lengths and greedy tokens are identical (argmax takes the first
 maximal index; logits are assumed free of NaN). The rejection path's inverse-CDF draw uses the same
@@ -25,7 +23,7 @@ within float rounding of a CDF step (probability ~1e-7 per draw).
 
 Kernels. Greedy: an argmax over vocabulary splits for every one of the N * (g + 1) rows (a
 bandwidth-bound pass over the logits, spread over many programs), then one program per sequence
-merges the splits, walks the g drafts and writes the four outputs. Rejection: one program per
+merges the splits, walks the g drafts and writes a and the emitted token. Rejection: one program per
 sequence computes a from g scalar loads of p(d) and q(d), then makes two passes over row a
 (residual mass; then the running sum up to u * total).
 """
@@ -45,23 +43,11 @@ DEFAULT_BLOCK_V = 1024  # vocabulary entries per tile
 ARGMAX_SPLIT = 8192  # vocabulary entries per argmax program (untuned)
 
 
-# --- references: spec/accept.py plus the commit --------------------------------------------------------
-def commit_reference(
-    draft_tokens: torch.Tensor, accepted: torch.Tensor, emitted: torch.Tensor
-) -> torch.Tensor:
-    """draft_tokens [N, g]; accepted, emitted [N] -> committed [N, g + 1]: drafts[:a], emitted, -1..."""
-    n, g = draft_tokens.shape
-    cols = torch.arange(g + 1, device=draft_tokens.device)[None, :]  # [1, g + 1]
-    padded = torch.cat([draft_tokens, draft_tokens.new_full((n, 1), -1)], dim=1)  # [N, g + 1]
-    out = torch.where(cols < accepted[:, None], padded, torch.full_like(padded, -1))
-    return torch.where(cols == accepted[:, None], emitted[:, None], out)
-
-
+# --- references: spec/accept.py -------------------------------------------------------------------
 def greedy_accept_reference(
-    draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, seq_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    accepted, emitted = verify.greedy_accept(draft_tokens, target_logits, valid)
-    return accepted, emitted, seq_lens + accepted + 1, commit_reference(draft_tokens, accepted, emitted)
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return verify.greedy_accept(draft_tokens, target_logits, valid)
 
 
 def rejection_accept_reference(
@@ -71,17 +57,12 @@ def rejection_accept_reference(
     u_accept: torch.Tensor,
     u_emit: torch.Tensor,
     valid: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     if draft_tokens.shape[1] == 0:
         # verify.rejection_accept indexes an empty q at g = 0; the rule reduces to a draw from p_0.
-        accepted = torch.zeros_like(seq_lens)
-        emitted = sample_from_probs(target_probs[:, 0], u_emit[:, 0])
-    else:
-        accepted, emitted = verify.rejection_accept(
-            draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid
-        )
-    return accepted, emitted, seq_lens + accepted + 1, commit_reference(draft_tokens, accepted, emitted)
+        accepted = torch.zeros(draft_tokens.shape[0], dtype=torch.int64, device=draft_tokens.device)
+        return accepted, sample_from_probs(target_probs[:, 0], u_emit[:, 0])
+    return verify.rejection_accept(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid)
 
 
 # --- Triton kernels ---------------------------------------------------------------------------
@@ -123,23 +104,18 @@ def _argmax_splits_kernel(
 
 
 @jit
-def _greedy_commit_kernel(
+def _greedy_walk_kernel(
     val_ptr,
     idx_ptr,
     draft_ptr,
     valid_ptr,
-    seq_lens_ptr,
     acc_ptr,
     emit_ptr,
-    new_lens_ptr,
-    commit_ptr,
     sd0,
     sv0,
-    sc0,
     g,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_G: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)  # row offsets n * stride can pass 2**31
     offs_s = tl.arange(0, BLOCK_S)
@@ -158,14 +134,8 @@ def _greedy_commit_kernel(
     r = n * (g + 1) + a
     vals = tl.load(val_ptr + r * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
     emitted = tl.load(idx_ptr + r * NUM_SPLITS + tl.argmax(vals, 0, tie_break_left=True))
-    a64 = a.to(tl.int64)
-    tl.store(acc_ptr + n, a64)
+    tl.store(acc_ptr + n, a.to(tl.int64))
     tl.store(emit_ptr + n, emitted)
-    tl.store(new_lens_ptr + n, tl.load(seq_lens_ptr + n) + a64 + 1)
-    cols = tl.arange(0, BLOCK_G)
-    drafts = tl.load(draft_ptr + n * sd0 + cols, mask=cols < a, other=-1)
-    row = tl.where(cols == a, emitted, tl.where(cols < a, drafts, -1))
-    tl.store(commit_ptr + n * sc0 + cols, row, mask=cols < g + 1)
 
 
 @jit
@@ -176,11 +146,8 @@ def _rejection_kernel(
     ua_ptr,
     ue_ptr,
     valid_ptr,
-    seq_lens_ptr,
     acc_ptr,
     emit_ptr,
-    new_lens_ptr,
-    commit_ptr,
     sd0,
     sq0,
     sq1,
@@ -189,11 +156,9 @@ def _rejection_kernel(
     sua0,
     sue0,
     sv0,
-    sc0,
     g,
     vocab,
     BLOCK_V: tl.constexpr,
-    BLOCK_G: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)  # row offsets n * stride can pass 2**31
     # 1. accepted prefix: accept draft j iff u * q(d) < p(d) (and the slot is valid)
@@ -238,17 +203,11 @@ def _rejection_kernel(
         found = tl.minimum(found, tl.min(tl.where(ok & (cdf >= target), idx, vocab), 0))
         carry += tl.sum(w, 0)
     emitted = tl.minimum(found, vocab - 1).to(tl.int64)
-    a64 = a.to(tl.int64)
-    tl.store(acc_ptr + n, a64)
+    tl.store(acc_ptr + n, a.to(tl.int64))
     tl.store(emit_ptr + n, emitted)
-    tl.store(new_lens_ptr + n, tl.load(seq_lens_ptr + n) + a64 + 1)
-    cols = tl.arange(0, BLOCK_G)
-    drafts = tl.load(draft_ptr + n * sd0 + cols, mask=cols < a, other=-1)
-    row = tl.where(cols == a, emitted, tl.where(cols < a, drafts, -1))
-    tl.store(commit_ptr + n * sc0 + cols, row, mask=cols < g + 1)
 
 
-def _check_common(op: str, draft_tokens, valid, seq_lens, rows: torch.Tensor) -> tuple[int, int, int]:
+def _check_common(op: str, draft_tokens, valid, rows: torch.Tensor) -> tuple[int, int, int]:
     chk = reg.check
     chk(
         draft_tokens.dim() == 2 and draft_tokens.dtype == torch.int64, op, "draft_tokens must be [N, g] int64"
@@ -263,36 +222,30 @@ def _check_common(op: str, draft_tokens, valid, seq_lens, rows: torch.Tensor) ->
     chk(draft_tokens.stride(1) == 1 or g <= 1, op, "draft_tokens needs unit column stride")
     chk(valid.shape == (n, g) and valid.dtype == torch.bool, op, "valid must be [N, g] bool")
     chk(valid.stride(1) == 1 or g <= 1, op, "valid needs unit column stride")
-    chk(seq_lens.shape == (n,) and seq_lens.dtype == torch.int64, op, "seq_lens must be [N] int64")
     return n, g, rows.shape[2]
 
 
-def _outputs(n: int, g: int, device: torch.device):
+def _outputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [N], emitted [N]) int64, uninitialised."""
     acc = torch.empty(n, dtype=torch.int64, device=device)
-    return (
-        acc,
-        torch.empty_like(acc),
-        torch.empty_like(acc),
-        torch.empty(n, g + 1, dtype=torch.int64, device=device),
-    )
+    return acc, torch.empty_like(acc)
 
 
 def launch_greedy_accept(
     draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
     valid: torch.Tensor,
-    seq_lens: torch.Tensor,
     *,
     split_len: int = ARGMAX_SPLIT,
     block_v: int = DEFAULT_BLOCK_V,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     op = "greedy_accept"
     reg.require_triton(op)
-    n, g, vocab = _check_common(op, draft_tokens, valid, seq_lens, target_logits)
+    n, g, vocab = _check_common(op, draft_tokens, valid, target_logits)
     reg.check(reg.float_dtype_ok(target_logits), op, f"unsupported logits dtype {target_logits.dtype}")
     reg.check(vocab > 0, op, "empty vocabulary")
-    reg.check_same_device(op, draft_tokens, target_logits, valid, seq_lens)
-    outs = _outputs(n, g, draft_tokens.device)
+    reg.check_same_device(op, draft_tokens, target_logits, valid)
+    outs = _outputs(n, draft_tokens.device)
     if n == 0:
         return outs
     split_len = max(block_v, math.ceil(min(split_len, vocab) / block_v) * block_v)
@@ -304,11 +257,10 @@ def launch_greedy_accept(
         target_logits, vals, idxs, g + 1, target_logits.stride(0), target_logits.stride(1), vocab, split_len,
         NUM_SPLITS=splits, BLOCK_V=block_v,
     )  # fmt: skip
-    acc, emit, new_lens, committed = outs
-    _greedy_commit_kernel[(n,)](
-        vals, idxs, draft_tokens, valid, seq_lens, acc, emit, new_lens, committed,
-        draft_tokens.stride(0), valid.stride(0), committed.stride(0), g,
-        NUM_SPLITS=splits, BLOCK_S=reg.next_pow2(splits), BLOCK_G=reg.next_pow2(g + 1),
+    acc, emit = outs
+    _greedy_walk_kernel[(n,)](
+        vals, idxs, draft_tokens, valid, acc, emit, draft_tokens.stride(0), valid.stride(0), g,
+        NUM_SPLITS=splits, BLOCK_S=reg.next_pow2(splits),
     )  # fmt: skip
     return outs
 
@@ -320,13 +272,12 @@ def launch_rejection_accept(
     u_accept: torch.Tensor,
     u_emit: torch.Tensor,
     valid: torch.Tensor,
-    seq_lens: torch.Tensor,
     *,
     block_v: int = DEFAULT_BLOCK_V,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     op = "rejection_accept"
     reg.require_triton(op)
-    n, g, vocab = _check_common(op, draft_tokens, valid, seq_lens, target_probs)
+    n, g, vocab = _check_common(op, draft_tokens, valid, target_probs)
     chk = reg.check
     chk(
         draft_probs.shape == (n, g, vocab),
@@ -344,18 +295,17 @@ def launch_rejection_accept(
         (u_emit, "u_emit"),
     ):
         chk(t.dtype == torch.float32, op, f"{name} must be float32, got {t.dtype}")
-    reg.check_same_device(op, draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens)
-    outs = _outputs(n, g, draft_tokens.device)
+    reg.check_same_device(op, draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid)
+    outs = _outputs(n, draft_tokens.device)
     if n == 0:
         return outs
-    acc, emit, new_lens, committed = outs
+    acc, emit = outs
     _rejection_kernel[(n,)](
-        draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens,
-        acc, emit, new_lens, committed,
+        draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, acc, emit,
         draft_tokens.stride(0), draft_probs.stride(0), draft_probs.stride(1),
         target_probs.stride(0), target_probs.stride(1), u_accept.stride(0), u_emit.stride(0),
-        valid.stride(0), committed.stride(0), g, vocab,
-        BLOCK_V=block_v, BLOCK_G=reg.next_pow2(g + 1),
+        valid.stride(0), g, vocab,
+        BLOCK_V=block_v,
     )  # fmt: skip
     return outs
 
@@ -363,23 +313,22 @@ def launch_rejection_accept(
 # --- the custom ops ----------------------------------------------------------------------------
 @torch.library.custom_op("dflash::greedy_accept", mutates_args=())
 def greedy_accept(
-    draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, seq_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (CPU) implementation: the reference; the Triton kernels under the interpreter switch."""
     if reg.triton_on_cpu():
-        return launch_greedy_accept(draft_tokens, target_logits, valid, seq_lens)
-    return greedy_accept_reference(draft_tokens, target_logits, valid, seq_lens)
+        return launch_greedy_accept(draft_tokens, target_logits, valid)
+    return greedy_accept_reference(draft_tokens, target_logits, valid)
 
 
 @greedy_accept.register_kernel("cuda")
-def _greedy_accept_cuda(draft_tokens, target_logits, valid, seq_lens):
-    return launch_greedy_accept(draft_tokens, target_logits, valid, seq_lens)
+def _greedy_accept_cuda(draft_tokens, target_logits, valid):
+    return launch_greedy_accept(draft_tokens, target_logits, valid)
 
 
 @greedy_accept.register_fake
-def _greedy_accept_fake(draft_tokens, target_logits, valid, seq_lens):
-    n, g = draft_tokens.shape
-    return _outputs(n, g, draft_tokens.device)
+def _greedy_accept_fake(draft_tokens, target_logits, valid):
+    return _outputs(draft_tokens.shape[0], draft_tokens.device)
 
 
 @torch.library.custom_op("dflash::rejection_accept", mutates_args=())
@@ -390,21 +339,19 @@ def rejection_accept(
     u_accept: torch.Tensor,
     u_emit: torch.Tensor,
     valid: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (CPU) implementation: the reference; the Triton kernel under the interpreter switch."""
-    args = (draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens)
+    args = (draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid)
     if reg.triton_on_cpu():
         return launch_rejection_accept(*args)
     return rejection_accept_reference(*args)
 
 
 @rejection_accept.register_kernel("cuda")
-def _rejection_accept_cuda(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens):
-    return launch_rejection_accept(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens)
+def _rejection_accept_cuda(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid):
+    return launch_rejection_accept(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid)
 
 
 @rejection_accept.register_fake
-def _rejection_accept_fake(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens):
-    n, g = draft_tokens.shape
-    return _outputs(n, g, draft_tokens.device)
+def _rejection_accept_fake(draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid):
+    return _outputs(draft_tokens.shape[0], draft_tokens.device)

@@ -148,8 +148,7 @@ def greedy_accept(
     n, g = draft_tokens.shape
     if valid is None:
         valid = torch.ones(n, g, dtype=torch.bool, device=draft_tokens.device)
-    seq_lens = torch.zeros(n, dtype=torch.int64, device=draft_tokens.device)  # new lengths unused here
-    acc, emit, _, _ = torch.ops.dflash.greedy_accept(draft_tokens, target_logits, valid, seq_lens)
+    acc, emit = torch.ops.dflash.greedy_accept(draft_tokens, target_logits, valid)
     return acc, emit
 
 
@@ -165,9 +164,8 @@ def rejection_accept(
     n, g = draft_tokens.shape
     if valid is None:
         valid = torch.ones(n, g, dtype=torch.bool, device=draft_tokens.device)
-    seq_lens = torch.zeros(n, dtype=torch.int64, device=draft_tokens.device)
-    acc, emit, _, _ = torch.ops.dflash.rejection_accept(
-        draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid, seq_lens
+    acc, emit = torch.ops.dflash.rejection_accept(
+        draft_tokens, draft_probs, target_probs, u_accept, u_emit, valid
     )
     return acc, emit
 
@@ -208,16 +206,15 @@ def self_check(drafter: DFlashDrafter | None, device: torch.device) -> str | Non
         drafts = logits[:, :g].argmax(-1)
         drafts[1, 1] = (drafts[1, 1] + 1) % vocab  # one rejection
         valid = torch.ones(n, g, dtype=torch.bool, device=device)
-        lens = torch.arange(n, device=device)
-        got = torch.ops.dflash.greedy_accept(drafts, logits, valid, lens)
-        want = accept.greedy_accept_reference(drafts, logits, valid, lens)
+        got = torch.ops.dflash.greedy_accept(drafts, logits, valid)
+        want = accept.greedy_accept_reference(drafts, logits, valid)
         if not all(torch.equal(a, b) for a, b in zip(got, want)):
             return "dflash::greedy_accept disagrees with its reference"
         p = torch.softmax(rand(n, g + 1, vocab), -1)
         q = torch.softmax(rand(n, g, vocab), -1)
         ua, ue = torch.rand(n, g, generator=gen).to(device), torch.rand(n, g + 1, generator=gen).to(device)
-        got = torch.ops.dflash.rejection_accept(drafts, q, p, ua, ue, valid, lens)
-        want = accept.rejection_accept_reference(drafts, q, p, ua, ue, valid, lens)
+        got = torch.ops.dflash.rejection_accept(drafts, q, p, ua, ue, valid)
+        want = accept.rejection_accept_reference(drafts, q, p, ua, ue, valid)
         if not all(torch.equal(a, b) for a, b in zip(got[:1], want[:1])):
             return "dflash::rejection_accept disagrees with its reference"
         if drafter is None:

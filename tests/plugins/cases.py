@@ -186,7 +186,7 @@ CTX_CASES = [
 
 # --- acceptance -----------------------------------------------------------------------------------
 def greedy_inputs(n: int, g: int, vocab: int, *, seed: int = 0, dtype=torch.float32, ties: bool = False):
-    """(draft_tokens, target_logits, valid, seq_lens): drafts agree with the target's argmax most of
+    """(draft_tokens, target_logits, valid): drafts agree with the target's argmax most of
     the time, so accepted lengths spread over 0..g."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, g + 1, vocab, generator=gen)
@@ -202,12 +202,11 @@ def greedy_inputs(n: int, g: int, vocab: int, *, seed: int = 0, dtype=torch.floa
     drafts = torch.where(agree, post[:, :g], random)
     valid = torch.arange(g)[None, :] < torch.randint(0, g + 1, (n, 1), generator=gen)
     valid[0] = True
-    seq_lens = torch.randint(1, 500, (n,), generator=gen)
-    return drafts, logits, valid, seq_lens
+    return drafts, logits, valid
 
 
 def rejection_inputs(n: int, g: int, vocab: int, *, seed: int = 0, mode: str = "close"):
-    """(draft_tokens, q, p, u_accept, u_emit, valid, seq_lens).
+    """(draft_tokens, q, p, u_accept, u_emit, valid).
 
     mode: close (q near p: long accepted prefixes), topk (zeros in p and q: zero-probability tokens
     must never be drawn), onehot (greedy drafts: q one-hot), equal (q == p: the residual is empty
@@ -236,8 +235,7 @@ def rejection_inputs(n: int, g: int, vocab: int, *, seed: int = 0, mode: str = "
     valid = torch.arange(g)[None, :] < torch.randint(0, g + 1, (n, 1), generator=gen)
     if n > 0:
         valid[0] = True
-    seq_lens = torch.randint(1, 500, (n,), generator=gen)
-    return drafts, q, p, u_accept, u_emit, valid, seq_lens
+    return drafts, q, p, u_accept, u_emit, valid
 
 
 # (n, g, vocab): g = block_size - 1 for block sizes 1..16; odd vocabularies; several argmax splits

@@ -101,37 +101,31 @@ def test_bf16_drafter_equals_the_drafter_exactly(target, variant):
         assert torch.equal(drafter.forward_block(cache_a, *args), plug.forward_block(cache_b, *args))
 
 
-def test_accept_references_are_verify_plus_commit():
+def test_accept_references_are_verify():
     drafts = torch.tensor([[5, 6, 7], [1, 2, 3], [9, 9, 9]])
     logits = torch.zeros(3, 4, 10)
     for n, row in enumerate([[5, 6, 0, 4], [1, 2, 3, 8], [0, 9, 9, 9]]):
         logits[n, torch.arange(4), torch.tensor(row)] = 1.0
     valid = torch.tensor([[True, True, True], [True, True, False], [True, True, True]])
-    seq_lens = torch.tensor([10, 20, 30])
-    acc, emit, new, committed = accept.greedy_accept_reference(drafts, logits, valid, seq_lens)
+    acc, emit = accept.greedy_accept_reference(drafts, logits, valid)
     assert acc.tolist() == [2, 2, 0] and emit.tolist() == [0, 3, 0]
-    assert new.tolist() == [13, 23, 31]
-    assert committed.tolist() == [[5, 6, 0, -1], [1, 2, 3, -1], [0, -1, -1, -1]]
     want = verify.greedy_accept(drafts, logits, valid)
     assert torch.equal(want[0], acc) and torch.equal(want[1], emit)
     args = cases.rejection_inputs(5, 4, 37, seed=2)
     got = accept.rejection_accept_reference(*args)
-    want = verify.rejection_accept(*args[:6])
+    want = verify.rejection_accept(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(got[2], args[6] + want[0] + 1)
 
 
 def test_rejection_reference_at_zero_drafts_draws_from_the_bonus_row():
     """g = 0 (speculation off by schedule): verify.rejection_accept indexes an empty q; the op's
     reference (and kernel) emit the inverse-CDF draw from p_0 with u_emit[:, 0]."""
-    _, q, p, ua, ue, valid, lens = cases.rejection_inputs(4, 0, 29, seed=3)
-    acc, emit, new, committed = accept.rejection_accept_reference(
-        torch.zeros(4, 0, dtype=torch.int64), q, p, ua, ue, valid, lens
-    )
+    _, q, p, ua, ue, valid = cases.rejection_inputs(4, 0, 29, seed=3)
+    acc, emit = accept.rejection_accept_reference(torch.zeros(4, 0, dtype=torch.int64), q, p, ua, ue, valid)
     from dflash_trt.spec.sampling import sample_from_probs
 
-    assert acc.tolist() == [0] * 4 and torch.equal(emit, sample_from_probs(p[:, 0], ue[:, 0]))
-    assert torch.equal(new, lens + 1) and torch.equal(committed[:, 0], emit)
+    assert acc.dtype == torch.int64 and acc.tolist() == [0] * 4
+    assert torch.equal(emit, sample_from_probs(p[:, 0], ue[:, 0]))
 
 
 # --- opcheck and torch.compile ---------------------------------------------------------------------
@@ -165,7 +159,7 @@ def test_torch_compile_fullgraph_calls_every_op():
         OPS.inject_context(*ctx)
         g = OPS.greedy_accept(*greedy)
         r = OPS.rejection_accept(*rejection)
-        return out.sum(-1), g[0] + r[0], g[3], r[1]
+        return out.sum(-1), g[0] + r[0], g[1], r[1]
 
     ctx_eager = (*ctx[:11], [t.clone() for t in ctx[11]], [t.clone() for t in ctx[12]])
     want = step(attn, ctx_eager, greedy, rejection)
@@ -249,9 +243,9 @@ def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog,
 
     monkeypatch.setattr(_registry, "_TRITON_ON_CPU", True)  # route the ops to the (patched) launchers
 
-    def wrong_greedy(drafts, logits, valid, seq_lens):
-        out = accept.greedy_accept_reference(drafts, logits, valid, seq_lens)
-        return (out[0] * 0, *out[1:])
+    def wrong_greedy(drafts, logits, valid):
+        acc, emit = accept.greedy_accept_reference(drafts, logits, valid)
+        return acc * 0, emit
 
     monkeypatch.setattr(accept, "launch_greedy_accept", wrong_greedy)
     with caplog.at_level(logging.WARNING, logger="dflash_trt.ops.drafting"):
