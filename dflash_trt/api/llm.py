@@ -173,7 +173,7 @@ class LLM:
         single = isinstance(inputs, (str, Mapping)) or (
             isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], int)
         )
-        prompts: list[Any] = [inputs] if single else list(inputs)  # type: ignore[arg-type]
+        prompts: list[Any] = [inputs] if single else list(inputs)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError("sampling_params", len(params), f"must be one per prompt ({len(prompts)})")

@@ -270,14 +270,15 @@ class LLMEngine:
         self.num_steps += 1
         return updates
 
-    def fail_all(self) -> list[Request]:
+    def fail_all(self) -> list[StepUpdate]:
         """End every queued and running request with finish_reason 'error' (after an engine
-        failure, or at shutdown) and return them. Engine thread."""
+        failure, or at shutdown): one final update each. Engine thread."""
         self._take_queued()
-        failed = [*self._live.values()]
-        for req in failed:
+        updates = []
+        for req in list(self._live.values()):
             self._finish(req, "error")
-        return failed
+            updates.append(self._update(req, [], ""))
+        return updates
 
     def _take_queued(self) -> list[StepUpdate]:
         while not self._new.empty():
@@ -286,10 +287,10 @@ class LLMEngine:
             self.scheduler.add(req)
         updates = []
         while not self._aborts.empty():
-            req = self._live.get(self._aborts.get())
-            if req is not None:
-                self._finish(req, "cancelled")
-                updates.append(self._update(req, [], ""))
+            aborted = self._live.get(self._aborts.get())
+            if aborted is not None:
+                self._finish(aborted, "cancelled")
+                updates.append(self._update(aborted, [], ""))
         return updates
 
     def _postprocess(

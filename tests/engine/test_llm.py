@@ -250,6 +250,47 @@ def test_cancellation_frees_the_slot(pair):
         assert stats["active"] == 0 and stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
 
 
+def test_engine_failure_fails_in_flight_requests_and_keeps_serving(pair):
+    tdir, ddir, _ = pair
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=2, max_seq_len=256) as llm:
+        runner = llm.engine.runner
+        real = runner.decode_round
+        calls = {"n": 0}
+
+        def failing_once(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected fault")
+            return real(*args, **kwargs)
+
+        runner.decode_round = failing_once
+        out = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)).result(
+            timeout=60
+        )
+        assert out.finished and out.outputs[0].finish_reason == "error"
+        assert out.error == "engine failure: RuntimeError: injected fault"
+        again = llm.generate([1, 2, 3], SamplingParams(max_tokens=5))  # the engine keeps serving
+        assert again.outputs[0].finish_reason == "length" and len(again.outputs[0].token_ids) == 5
+        time.sleep(0.05)
+        stats = llm.get_stats()
+        assert stats["active"] == 0 and stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_shutdown_ends_every_request_explicitly(pair):
+    tdir, ddir, _ = pair
+    llm = LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=1, max_seq_len=2000)
+    running = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=1900, ignore_eos=True), streaming=True)
+    queued = llm.generate_async([4, 5], SamplingParams(max_tokens=1900, ignore_eos=True))
+    next(iter(running))  # the first request is in flight
+    llm.shutdown()
+    for handle in (running, queued):
+        final = handle.result(timeout=10)
+        assert final.finished and final.outputs[0].finish_reason == "error"
+        assert final.error == "the LLM was shut down"
+    with pytest.raises(Exception, match="the LLM was shut down"):
+        llm.generate_async([1], SamplingParams(max_tokens=1))
+
+
 def test_overload_queues_and_kv_admission(pair):
     tdir, ddir, _ = pair
     # 4 pages of 16 tokens: each request reserves 3 pages, so only one runs at a time
