@@ -71,9 +71,7 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
         if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
             msgs = obj["messages"]
             if not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in msgs
             ):
                 raise UsageError(
