@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from dflash_trt.errors import CheckpointError, ConfigError, IncompatiblePairError
 from dflash_trt.models.features import build_target_layer_ids
@@ -180,10 +180,10 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     cfg = dict(hf_config)
     nested = _check_format(cfg)
     block_size = _block_size(cfg, nested)
-    shape = _shape(cfg)
+    shape = _shape_fields(cfg)
     mask = _mask_token_id(cfg, mask_token_id)
-    target_layer_ids, num_target_layers = _target_layers(cfg, shape.num_hidden_layers)
-    layer_types = _layer_types(cfg, shape.num_hidden_layers)
+    target_layer_ids, num_target_layers = _target_layers(cfg, shape["num_hidden_layers"])
+    layer_types = _layer_types(cfg, shape["num_hidden_layers"])
     sliding_window = _sliding_window(cfg, layer_types)
     is_causal = cfg.get("is_causal")
     if is_causal is not None and not isinstance(is_causal, bool):
@@ -192,12 +192,7 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     eps = _float(cfg.get("rms_norm_eps"), "rms_norm_eps", 1e-6)
     assert eps is not None
     return DFlashConfig(
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
+        **shape,
         rms_norm_eps=eps,
         attention_bias=bool(cfg.get("attention_bias", False)),
         rope=parse_rope(cfg),
@@ -262,18 +257,9 @@ def _block_size(cfg: Mapping[str, Any], nested: Mapping[str, Any]) -> int:
     return block_size
 
 
-class _Shape(NamedTuple):
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-
-
-def _shape(cfg: Mapping[str, Any]) -> _Shape:
-    """The layer dimensions (GQA heads must divide; head_dim defaults to hidden // heads) and the
-    activation check (SwiGLU only)."""
+def _shape_fields(cfg: Mapping[str, Any]) -> dict[str, int]:
+    """The layer dimensions, keyed by DFlashConfig field (GQA heads must divide; head_dim defaults
+    to hidden // heads), after the activation check (SwiGLU only)."""
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     num_layers = _int(cfg, "num_hidden_layers")
@@ -289,7 +275,14 @@ def _shape(cfg: Mapping[str, Any]) -> _Shape:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError("hidden_act", act, "only silu (SwiGLU) drafters are supported")
-    return _Shape(hidden, intermediate, num_layers, heads, kv_heads, head_dim)
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+    }
 
 
 def _mask_token_id(cfg: Mapping[str, Any], override: int | None) -> int:
