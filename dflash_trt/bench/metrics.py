@@ -14,7 +14,7 @@ import bisect
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -468,6 +468,19 @@ def summarize_point(
         "errors": dict(Counter((r.error or "")[:200] for r in errs).most_common(10)),
         "duration_s": duration,
     }
+    out.update(_latency_metrics(ok))
+    out.update(_throughput_metrics(ok, duration, num_gpus))
+    out.update(_interactivity_metrics(ok, out, concurrency))
+    out.update(_goodput_metrics(records, slo, duration))
+    out.update(_speculation_metrics(ok))
+    out.update(_chunk_metrics(ok))
+    out.update(_accounting_metrics(records, ok, duration))
+    return out
+
+
+def _latency_metrics(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Mean and percentiles of TTFT, TPOT, E2EL, ICL and (token-weighted) ITL."""
+    out: dict[str, Any] = {}
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     e2el = [r.e2el_s for r in ok if r.e2el_s is not None]
@@ -476,7 +489,12 @@ def summarize_point(
         out.update(_stats(prefix, values))
     itl_values, itl_weights = _itl_weighted(ok)
     out.update(_stats("itl", itl_values, itl_weights))
+    return out
 
+
+def _throughput_metrics(ok: Sequence[RequestRecord], duration: float, num_gpus: int) -> dict[str, Any]:
+    """Token totals and means, and token and request rates over the point (also per GPU)."""
+    out: dict[str, Any] = {}
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     in_known = [r for r in ok if r.input_tokens is not None]
     in_tokens = sum(r.input_tokens or 0 for r in in_known)
@@ -491,31 +509,48 @@ def summarize_point(
     out["request_throughput_per_s"] = _safe_div(len(ok), duration)
     out["total_tokens_per_s_per_gpu"] = _safe_div(out["total_tokens_per_s"], num_gpus)
     out["output_tokens_per_s_per_gpu"] = _safe_div(out["output_tokens_per_s"], num_gpus)
+    return out
 
-    per_user = [1.0 / t for t in tpot if t > 0]
+
+def _interactivity_metrics(
+    ok: Sequence[RequestRecord], metrics: Mapping[str, Any], concurrency: int | None
+) -> dict[str, Any]:
+    """Per-user token rates under each tool's definition; reads the TPOT percentiles and
+    output_tokens_per_s already in `metrics`."""
+    out: dict[str, Any] = {}
+    per_user = [1.0 / r.tpot_s for r in ok if r.tpot_s is not None and r.tpot_s > 0]
     out["tokens_per_s_per_user_mean"] = sum(per_user) / len(per_user) if per_user else None
     for name, q in (("p10", 10.0), ("p50", 50.0), ("p90", 90.0)):
         out[f"tokens_per_s_per_user_{name}"] = percentile(per_user, q) if per_user else None
     for name in ("p50", "p90", "p99"):
-        out[f"interactivity_inferencex_{name}"] = _safe_div(1.0, out[f"tpot_{name}_s"])
+        out[f"interactivity_inferencex_{name}"] = _safe_div(1.0, metrics[f"tpot_{name}_s"])
     out["interactivity_aiperf_mean"] = out["tokens_per_s_per_user_mean"]
-    out["interactivity_vllm_aggregate"] = _safe_div(out["output_tokens_per_s"], concurrency)
+    out["interactivity_vllm_aggregate"] = _safe_div(metrics["output_tokens_per_s"], concurrency)
     e2e_norm = [r.e2el_s / r.output_tokens for r in ok if r.e2el_s and r.output_tokens]
     out["interactivity_e2e_norm_p90"] = _safe_div(1.0, percentile(e2e_norm, 90.0)) if e2e_norm else None
     prefill = [r.input_tokens / r.ttft_s for r in ok if r.input_tokens and r.ttft_s]
     out["prefill_tokens_per_s_per_user_p50"] = percentile(prefill, 50.0) if prefill else None
     e2e_out = [r.output_tokens / r.e2el_s for r in ok if r.output_tokens and r.e2el_s]
     out["e2e_output_tokens_per_s_per_user_p50"] = percentile(e2e_out, 50.0) if e2e_out else None
+    return out
 
-    if slo.any:
-        good = [r for r in records if slo.met(r)]
-        out["goodput_requests_per_s"] = _safe_div(len(good), duration) if records else None
-        out["goodput_output_tokens_per_s"] = _safe_div(sum(r.output_tokens or 0 for r in good), duration)
-        out["good_fraction"] = _safe_div(len(good), len(records))
-    else:
-        out["goodput_requests_per_s"] = out["goodput_output_tokens_per_s"] = out["good_fraction"] = None
 
-    # speculative decoding
+def _goodput_metrics(records: Sequence[RequestRecord], slo: Slo, duration: float) -> dict[str, Any]:
+    """Requests and output tokens per second that met the SLO (None without an SLO)."""
+    if not slo.any:
+        return {"goodput_requests_per_s": None, "goodput_output_tokens_per_s": None, "good_fraction": None}
+    good = [r for r in records if slo.met(r)]
+    return {
+        "goodput_requests_per_s": _safe_div(len(good), duration) if records else None,
+        "goodput_output_tokens_per_s": _safe_div(sum(r.output_tokens or 0 for r in good), duration),
+        "good_fraction": _safe_div(len(good), len(records)),
+    }
+
+
+def _speculation_metrics(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Speculative decoding: tau (pooled over rounds where the server reports them, else the mean
+    of per-request values) and the pooled draft acceptance rate."""
+    out: dict[str, Any] = {}
     pooled = [r for r in ok if r.accepted_draft_tokens is not None and r.num_rounds]
     tau_pooled = (
         1.0 + sum(r.accepted_draft_tokens or 0 for r in pooled) / sum(r.num_rounds or 0 for r in pooled)
@@ -541,7 +576,11 @@ def summarize_point(
         else None
     )
     out["num_requests_with_spec_stats"] = len(taus)
+    return out
 
+
+def _chunk_metrics(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Tokens per streamed chunk: the histogram, the count and the means (also after the first)."""
     hist: Counter[int] = Counter()
     after_tokens = after_chunks = 0
     for r in ok:
@@ -549,12 +588,20 @@ def summarize_point(
             hist.update(r.chunk_tokens)
             after_tokens += sum(r.chunk_tokens[1:])
             after_chunks += len(r.chunk_tokens) - 1
-    out["tokens_per_chunk_hist"] = {str(k): hist[k] for k in sorted(hist)}
-    n_chunks = sum(r.num_chunks for r in ok)
-    out["num_chunks"] = n_chunks
-    out["mean_tokens_per_chunk"] = _safe_div(sum(hist.elements()), sum(hist.values())) if hist else None
-    out["mean_tokens_per_chunk_after_first"] = _safe_div(after_tokens, after_chunks)
+    return {
+        "tokens_per_chunk_hist": {str(k): hist[k] for k in sorted(hist)},
+        "num_chunks": sum(r.num_chunks for r in ok),
+        "mean_tokens_per_chunk": _safe_div(sum(hist.elements()), sum(hist.values())) if hist else None,
+        "mean_tokens_per_chunk_after_first": _safe_div(after_tokens, after_chunks),
+    }
 
+
+def _accounting_metrics(
+    records: Sequence[RequestRecord], ok: Sequence[RequestRecord], duration: float
+) -> dict[str, Any]:
+    """Achieved concurrency, and how far token counts strayed (client vs server ISL, requested vs
+    produced OSL), where the counts came from, and the server-side TTFT."""
+    out: dict[str, Any] = {}
     busy = sum(r.done_s or 0.0 for r in records)
     out["achieved_concurrency"] = _safe_div(busy, duration)
     both = [r for r in ok if r.input_tokens_server is not None and r.input_tokens_client]

@@ -17,7 +17,6 @@ BOS added); a chat-templated prompt is counted without adding special tokens aga
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.utils.jsonl import iter_jsonl
 
 _MAX_FIT_ITERS = 40
 _MAX_FIT_RESTARTS = 8
@@ -274,26 +274,16 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UsageError(f"--dataset={path}: no such file", hint="pass a JSONL file of prompts")
     records: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(
-                    f"--dataset={path}: line {lineno} is not JSON ({exc.msg})",
-                    hint="one JSON object per line",
-                ) from None
-            if not isinstance(rec, dict) or not (
-                isinstance(rec.get("prompt", rec.get("text")), str) or isinstance(rec.get("messages"), list)
-            ):
-                raise UsageError(
-                    f"--dataset={path}: line {lineno} has neither a string `prompt`/`text` nor a `messages` list",
-                    hint='each line looks like {"prompt": "...", "output_tokens": 256}',
-                )
-            rec["_line"] = lineno
-            records.append(rec)
+    for lineno, rec in iter_jsonl(path, name=f"--dataset={path}", hint="one JSON object per line"):
+        if not isinstance(rec, dict) or not (
+            isinstance(rec.get("prompt", rec.get("text")), str) or isinstance(rec.get("messages"), list)
+        ):
+            raise UsageError(
+                f"--dataset={path}: line {lineno} has neither a string `prompt`/`text` nor a `messages` list",
+                hint='each line looks like {"prompt": "...", "output_tokens": 256}',
+            )
+        rec["_line"] = lineno
+        records.append(rec)
     if not records:
         raise UsageError(f"--dataset={path}: the file holds no prompts", hint="add one JSON object per line")
     return records

@@ -154,6 +154,18 @@ def _draft_value(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
     return cfg.get(key, default)
 
 
+# Keys parse_dflash_config reads; every other key is kept verbatim in DFlashConfig.extra.
+_KNOWN_KEYS = frozenset(
+    {"architectures", "model_type", "auto_map", "block_size", "dflash_config", "hidden_size",
+     "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+     "head_dim", "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout", "rope_theta",
+     "rope_scaling", "rope_parameters", "layer_types", "sliding_window", "use_sliding_window",
+     "max_window_layers", "num_target_layers", "max_position_embeddings", "tie_word_embeddings",
+     "vocab_size", "dtype", "torch_dtype", "is_causal", "input_embedding_scale", "output_multiplier",
+     "final_logit_softcapping"}
+)  # fmt: skip
+
+
 def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | None = None) -> DFlashConfig:
     """Parse a z-lab v1 drafter `config.json` (as a dict) into a DFlashConfig.
 
@@ -161,10 +173,48 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     when both are present), derives `target_layer_ids` from `num_target_layers` when absent, and
     names the field and value in every error. `mask_token_id` overrides the checkpoint's (older
     checkpoints lack it; resolve `<|MASK|>` through the target tokenizer and pass it here).
+    The fields are read in a fixed order, so a config with several faults reports the same first one.
     """
     from dflash_trt.layers.rope import parse_rope
 
     cfg = dict(hf_config)
+    nested = _check_format(cfg)
+    block_size = _block_size(cfg, nested)
+    shape = _shape_fields(cfg)
+    mask = _mask_token_id(cfg, mask_token_id)
+    target_layer_ids, num_target_layers = _target_layers(cfg, shape["num_hidden_layers"])
+    layer_types = _layer_types(cfg, shape["num_hidden_layers"])
+    sliding_window = _sliding_window(cfg, layer_types)
+    is_causal = cfg.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise ConfigError("is_causal", is_causal, "must be true, false or absent")
+    softcap = _softcap(cfg)
+    eps = _float(cfg.get("rms_norm_eps"), "rms_norm_eps", 1e-6)
+    assert eps is not None
+    return DFlashConfig(
+        **shape,
+        rms_norm_eps=eps,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope=parse_rope(cfg),
+        block_size=block_size,
+        mask_token_id=mask,
+        target_layer_ids=target_layer_ids,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        is_causal=is_causal,
+        num_target_layers=num_target_layers,
+        input_embedding_scale=_scale(cfg, "input_embedding_scale"),
+        output_multiplier=_scale(cfg, "output_multiplier"),
+        final_logit_softcapping=softcap,
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        vocab_size=cfg.get("vocab_size"),
+        dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        extra={k: v for k, v in cfg.items() if k not in _KNOWN_KEYS},
+    )
+
+
+def _check_format(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Refuse checkpoints that are not z-lab DFlash v1; return the `dflash_config` mapping."""
     if cfg.get("speculators_model_type") or cfg.get("speculators_config"):
         raise ConfigError(
             "speculators_model_type",
@@ -183,8 +233,11 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     nested = cfg.get("dflash_config") or {}
     if not isinstance(nested, dict):
         raise ConfigError("dflash_config", nested, "must be a mapping")
+    return nested
 
-    # block size: either location, must agree
+
+def _block_size(cfg: Mapping[str, Any], nested: Mapping[str, Any]) -> int:
+    """The block size from either location (they must agree); 16 with a warning when absent."""
     top_bs, nested_bs = cfg.get("block_size"), nested.get("block_size")
     if top_bs is not None and nested_bs is not None and top_bs != nested_bs:
         raise ConfigError(
@@ -201,7 +254,12 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
         raise ConfigError(
             "block_size", block_size, "must be an integer >= 2 (1 anchor + at least 1 draft slot)"
         )
+    return block_size
 
+
+def _shape_fields(cfg: Mapping[str, Any]) -> dict[str, int]:
+    """The layer dimensions, keyed by DFlashConfig field (GQA heads must divide; head_dim defaults
+    to hidden // heads), after the activation check (SwiGLU only)."""
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     num_layers = _int(cfg, "num_hidden_layers")
@@ -217,9 +275,19 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError("hidden_act", act, "only silu (SwiGLU) drafters are supported")
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+    }
 
-    # mask token
-    mask = mask_token_id if mask_token_id is not None else _draft_value(cfg, "mask_token_id")
+
+def _mask_token_id(cfg: Mapping[str, Any], override: int | None) -> int:
+    """The mask token id: the caller's override, else the checkpoint's (required)."""
+    mask = override if override is not None else _draft_value(cfg, "mask_token_id")
     if mask is None:
         raise ConfigError(
             "dflash_config.mask_token_id",
@@ -229,8 +297,12 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
         )
     if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
         raise ConfigError("dflash_config.mask_token_id", mask, "must be a non-negative integer")
+    return mask
 
-    # target layers
+
+def _target_layers(cfg: Mapping[str, Any], num_layers: int) -> tuple[tuple[int, ...], int | None]:
+    """(target_layer_ids, num_target_layers): the ids as given, else derived from
+    num_target_layers; each id must lie below num_target_layers when that is set."""
     num_target_layers = cfg.get("num_target_layers")
     ids = _draft_value(cfg, "target_layer_ids")
     if ids is None:
@@ -250,16 +322,21 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
         raise ConfigError(
             "dflash_config.target_layer_ids", ids, "must be a non-empty list of non-negative ints"
         )
-    if isinstance(num_target_layers, int):
-        for i, layer_id in enumerate(ids):
-            if layer_id >= num_target_layers:
-                raise ConfigError(
-                    f"dflash_config.target_layer_ids[{i}]",
-                    layer_id,
-                    f"out of range for num_target_layers={num_target_layers}",
-                )
+    if not isinstance(num_target_layers, int):
+        return tuple(ids), None
+    for i, layer_id in enumerate(ids):
+        if layer_id >= num_target_layers:
+            raise ConfigError(
+                f"dflash_config.target_layer_ids[{i}]",
+                layer_id,
+                f"out of range for num_target_layers={num_target_layers}",
+            )
+    return tuple(ids), num_target_layers
 
-    # attention variants
+
+def _layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Per-layer attention kind: `layer_types`, else derived from the Qwen-style
+    use_sliding_window / max_window_layers pair."""
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         use_swa = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
@@ -276,60 +353,32 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
             layer_types,
             f"need {num_layers} entries, each one of {', '.join(LAYER_TYPES)}",
         )
-    sliding_window = cfg.get("sliding_window")
-    if "sliding_attention" in layer_types:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ConfigError(
-                "sliding_window",
-                sliding_window,
-                "must be a positive integer when layer_types has sliding_attention",
-            )
-    else:
-        sliding_window = None
-    is_causal = cfg.get("is_causal")
-    if is_causal is not None and not isinstance(is_causal, bool):
-        raise ConfigError("is_causal", is_causal, "must be true, false or absent")
+    return tuple(layer_types)
 
+
+def _sliding_window(cfg: Mapping[str, Any], layer_types: Sequence[str]) -> int | None:
+    """The window of the sliding layers (required when there are any, else None)."""
+    if "sliding_attention" not in layer_types:
+        return None
+    sliding_window = cfg.get("sliding_window")
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ConfigError(
+            "sliding_window",
+            sliding_window,
+            "must be a positive integer when layer_types has sliding_attention",
+        )
+    return sliding_window
+
+
+def _softcap(cfg: Mapping[str, Any]) -> float | None:
+    """final_logit_softcapping; absent, zero or negative means none."""
     softcap = _float(_draft_value(cfg, "final_logit_softcapping"), "final_logit_softcapping", None)
-    if softcap is not None and softcap <= 0:
-        softcap = None
-    eps = _float(cfg.get("rms_norm_eps"), "rms_norm_eps", 1e-6)
-    assert eps is not None
-    known = {
-        "architectures", "model_type", "auto_map", "block_size", "dflash_config", "hidden_size",
-        "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "hidden_act", "rms_norm_eps", "attention_bias", "attention_dropout", "rope_theta",
-        "rope_scaling", "rope_parameters", "layer_types", "sliding_window", "use_sliding_window",
-        "max_window_layers", "num_target_layers", "max_position_embeddings", "tie_word_embeddings",
-        "vocab_size", "dtype", "torch_dtype", "is_causal", "input_embedding_scale", "output_multiplier",
-        "final_logit_softcapping",
-    }  # fmt: skip
-    return DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=eps,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        rope=parse_rope(cfg),
-        block_size=block_size,
-        mask_token_id=mask,
-        target_layer_ids=tuple(ids),
-        layer_types=tuple(layer_types),
-        sliding_window=sliding_window,
-        is_causal=is_causal,
-        num_target_layers=num_target_layers if isinstance(num_target_layers, int) else None,
-        input_embedding_scale=_float(_draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", 1.0)
-        or 1.0,
-        output_multiplier=_float(_draft_value(cfg, "output_multiplier"), "output_multiplier", 1.0) or 1.0,
-        final_logit_softcapping=softcap,
-        max_position_embeddings=cfg.get("max_position_embeddings"),
-        vocab_size=cfg.get("vocab_size"),
-        dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        extra={k: v for k, v in cfg.items() if k not in known},
-    )
+    return None if softcap is None or softcap <= 0 else softcap
+
+
+def _scale(cfg: Mapping[str, Any], key: str) -> float:
+    """input_embedding_scale / output_multiplier; absent or zero means 1.0."""
+    return _float(_draft_value(cfg, key), key, 1.0) or 1.0
 
 
 @dataclass(frozen=True, slots=True)

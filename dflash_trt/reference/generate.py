@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.errors import ConfigError
-from dflash_trt.layers.kv_cache import PageAllocator, SequencePages, context_index, pages_for, slot_mapping
+from dflash_trt.layers.kv_cache import (
+    PageAllocator,
+    PagedKVCache,
+    SequencePages,
+    context_index,
+    pages_for,
+    slot_mapping,
+)
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
 from dflash_trt.spec.accept import greedy_accept, rejection_accept
@@ -79,6 +86,164 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class _Sampler:
+    """One request's sampling parameters as batch-1 tensors, and its counter-based uniforms."""
+
+    config: SamplingConfig
+    device: torch.device
+    seeds: torch.Tensor  # [1]
+    temp: torch.Tensor  # [1]
+    top_k: torch.Tensor  # [1]
+    top_p: torch.Tensor  # [1]
+
+    @classmethod
+    def create(cls, config: SamplingConfig, device: torch.device) -> _Sampler:
+        return cls(
+            config=config,
+            device=device,
+            seeds=seed_tensor(config.seed, device=device),
+            temp=torch.tensor([config.temperature], device=device),
+            top_k=torch.tensor([config.top_k], device=device),
+            top_p=torch.tensor([config.top_p], device=device),
+        )
+
+    def positions(self, first: int, count: int) -> torch.Tensor:  # [1, count]
+        return torch.arange(first, first + count, device=self.device)[None]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [T, V] -> [T, V]
+        t = logits.shape[0]
+        return logits_to_probs(logits, self.temp.expand(t), self.top_k.expand(t), self.top_p.expand(t))
+
+    def uniform(self, first: int, count: int, purpose: int) -> torch.Tensor:  # [1, count]
+        return uniform(self.seeds, self.positions(first, count), purpose)
+
+
+@dataclass
+class _Draft:
+    """The drafter with its paged context cache: one sequence owning pages for the whole generation."""
+
+    drafter: DFlashDrafter
+    cache: PagedKVCache
+    pages: SequencePages
+
+    @classmethod
+    def open(cls, drafter: DFlashDrafter, target: TargetAdapter, *, max_len: int, block_size: int) -> _Draft:
+        num_pages = pages_for(max_len + block_size, DRAFT_PAGE_SIZE) + 1
+        cache = drafter.make_cache(num_pages=num_pages, page_size=DRAFT_PAGE_SIZE)
+        alloc = PageAllocator(num_pages)
+        pages = SequencePages(alloc.allocate(num_pages - 1), DRAFT_PAGE_SIZE)
+        drafter.bind_target(target.embed_weight(), *target.head())
+        return cls(drafter, cache, pages)
+
+    def propose(
+        self, block: torch.Tensor, pending: torch.Tensor, start: int, sampler: _Sampler
+    ) -> torch.Tensor | None:
+        """Inject the target features of positions [start - len(pending), start), run the drafter
+        over `block` [1, size] (anchor at `start`) and write its drafts into block[0, 1:].
+        Returns the draft distribution q [g, V], or None under greedy sampling (not needed)."""
+        device = sampler.device
+        size = block.shape[1]
+        g = size - 1
+        table = self.pages.table(device)  # [1, P]
+        ctx_pos = torch.arange(start - pending.shape[0], start, device=device)
+        self.drafter.inject_context(
+            self.cache, pending, ctx_pos, slot_mapping(table, ctx_pos[None], DRAFT_PAGE_SIZE)[0]
+        )
+        lc = pages_for(start, DRAFT_PAGE_SIZE) * DRAFT_PAGE_SIZE
+        hidden = self.drafter.forward_block(
+            self.cache,
+            self.drafter.embed_block(block),
+            sampler.positions(start, size),
+            context_index(table, DRAFT_PAGE_SIZE, pages_for(start, DRAFT_PAGE_SIZE))[:, :lc],
+            torch.tensor([start], device=device),
+        )  # [1, size, D]
+        draft_logits = self.drafter.compute_logits(hidden[0, 1:])  # [g, V]
+        sampling = sampler.config
+        draft_probs = None
+        if sampling.is_greedy or sampling.greedy_draft:
+            block[0, 1:] = draft_logits.argmax(dim=-1)
+            if not sampling.is_greedy:  # greedy drafts under sampling: q is one-hot
+                draft_probs = torch.zeros_like(draft_logits, dtype=torch.float32)
+                draft_probs.scatter_(-1, block[0, 1:, None], 1.0)
+        else:
+            draft_probs = sampler.probs(draft_logits)  # [g, V]
+            u = sampler.uniform(start + 1, g, PURPOSE_DRAFT)[0]  # [g]
+            block[0, 1:] = sample_from_probs(draft_probs, u)
+        return draft_probs
+
+
+def _check_request(
+    target: TargetAdapter,
+    drafter: DFlashDrafter | None,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    block_size: int | None,
+) -> int:
+    """Validate the arguments of spec_generate; returns the block size to run (1 without a drafter)."""
+    check_prompt_ids([int(t) for t in prompt_ids], target.info.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError("max_new_tokens", max_new_tokens, "must be an integer >= 1")
+    if drafter is None:
+        block_size = 1
+    elif block_size is None:
+        block_size = drafter.block_size
+    if block_size < 1 or (drafter is not None and block_size > drafter.block_size):
+        raise ConfigError("block_size", block_size, "must be in [1, drafter block_size]")
+    return block_size
+
+
+def _prefill(
+    target: TargetAdapter, prompt_ids: Sequence[int], layer_ids: list[int] | None, sampler: _Sampler
+) -> tuple[int, torch.Tensor | None, float]:
+    """Run the prompt through the target and pick the token after it. Returns (that token, the
+    prompt's target features [n, K * D] or None without a drafter, seconds to first token)."""
+    device = sampler.device
+    n = len(prompt_ids)
+    _sync(device)
+    t0 = time.perf_counter()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    logits, feats = target.extend(ids, 0, layer_ids=layer_ids, last_only=True)
+    target.crop(n)  # no-op in length; lets sliding-window caches drop states they no longer need
+    if sampler.config.is_greedy:
+        first = int(logits[-1].argmax())
+    else:
+        u = sampler.uniform(n, 1, PURPOSE_EMIT)[:, 0]
+        first = int(sample_from_probs(sampler.probs(logits[-1:]), u)[0])
+    _sync(device)
+    return first, feats, time.perf_counter() - t0
+
+
+def _until_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    """`tokens` up to and including the first stop token; True when there was one."""
+    for i, tok in enumerate(tokens):
+        if tok in stop:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def _accept(
+    block: torch.Tensor, logits: torch.Tensor, draft_probs: torch.Tensor | None, start: int, sampler: _Sampler
+) -> tuple[int, int]:
+    """Compare the drafts block[0, 1:] with the target's logits [size, V] over the block:
+    returns (a, token) where a drafts are accepted and `token` is the target's next token after
+    them (greedy: exact match of argmax; sampling: lossless rejection sampling)."""
+    if sampler.config.is_greedy:
+        acc, emit = greedy_accept(block[:, 1:], logits[None])
+    else:
+        g = block.shape[1] - 1
+        assert g == 0 or draft_probs is not None
+        q = draft_probs if draft_probs is not None else logits.new_zeros((0, logits.shape[-1]))
+        acc, emit = rejection_accept(
+            block[:, 1:],
+            q[None].float(),
+            sampler.probs(logits)[None],
+            sampler.uniform(start + 1, g, PURPOSE_ACCEPT),
+            sampler.uniform(start + 1, g + 1, PURPOSE_EMIT),
+        )
+    return int(acc[0]), int(emit[0])
+
+
 @torch.inference_mode()
 def spec_generate(
     target: TargetAdapter,
@@ -95,57 +260,20 @@ def spec_generate(
     With `drafter=None` or `block_size=1` this is plain decoding of the target.
     """
     sampling = sampling or SamplingConfig()
-    check_prompt_ids([int(t) for t in prompt_ids], target.info.vocab_size)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError("max_new_tokens", max_new_tokens, "must be an integer >= 1")
-    if drafter is None:
-        block_size = 1
-    elif block_size is None:
-        block_size = drafter.block_size
-    if block_size < 1 or (drafter is not None and block_size > drafter.block_size):
-        raise ConfigError("block_size", block_size, "must be in [1, drafter block_size]")
-    drafting = drafter is not None and block_size > 1
+    block_size = _check_request(target, drafter, prompt_ids, max_new_tokens, block_size)
     device = target.device
-    layer_ids = list(drafter.config.target_layer_ids) if drafting and drafter is not None else None
-
     n = len(prompt_ids)
     max_len = n + max_new_tokens
     stop = {int(t) for t in stop_token_ids}
-    seeds = seed_tensor(sampling.seed, device=device)  # [1]
-    temp = torch.tensor([sampling.temperature], device=device)
-    top_k = torch.tensor([sampling.top_k], device=device)
-    top_p = torch.tensor([sampling.top_p], device=device)
-
-    def probs_of(logits: torch.Tensor) -> torch.Tensor:  # [T, V] -> [T, V]
-        t = logits.shape[0]
-        return logits_to_probs(logits, temp.expand(t), top_k.expand(t), top_p.expand(t))
-
-    def pos_tensor(first: int, count: int) -> torch.Tensor:  # [1, count]
-        return torch.arange(first, first + count, device=device)[None]
-
+    sampler = _Sampler.create(sampling, device)
     target.reset()
-    # Draft context cache: one sequence owning enough pages for the whole generation.
-    cache = pages = None
-    if drafting and drafter is not None:
-        num_pages = pages_for(max_len + block_size, DRAFT_PAGE_SIZE) + 1
-        cache = drafter.make_cache(num_pages=num_pages, page_size=DRAFT_PAGE_SIZE)
-        alloc = PageAllocator(num_pages)
-        pages = SequencePages(alloc.allocate(num_pages - 1), DRAFT_PAGE_SIZE)
-        drafter.bind_target(target.embed_weight(), *target.head())
+    draft = None
+    if drafter is not None and block_size > 1:
+        draft = _Draft.open(drafter, target, max_len=max_len, block_size=block_size)
+    layer_ids = list(draft.drafter.config.target_layer_ids) if draft is not None else None
 
-    # --- prefill ---------------------------------------------------------------------------
-    _sync(device)
-    t0 = time.perf_counter()
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    logits, feats = target.extend(ids, 0, layer_ids=layer_ids, last_only=True)
-    target.crop(n)  # no-op in length; lets sliding-window caches drop states they no longer need
-    if sampling.is_greedy:
-        first = int(logits[-1].argmax())
-    else:
-        u = uniform(seeds, pos_tensor(n, 1), PURPOSE_EMIT)[:, 0]
-        first = int(sample_from_probs(probs_of(logits[-1:]), u)[0])
-    _sync(device)
-    ttft = time.perf_counter() - t0
+    # --- prefill: the prompt through the target gives the first token and the first context
+    first, feats, ttft = _prefill(target, prompt_ids, layer_ids, sampler)
 
     output = [first]
     rounds: list[int] = []
@@ -155,62 +283,31 @@ def spec_generate(
     finish = "stop" if first in stop else "length"
     t1 = time.perf_counter()
     while start + 1 < max_len and finish != "stop":
+        # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
         size = min(block_size, max_len - start)
-        g = size - 1
         block = torch.full(
             (1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device
         )
         block[0, 0] = output[-1]
         draft_probs = None
-        if g > 0:
-            assert drafter is not None and cache is not None and pages is not None and pending is not None
-            table = pages.table(device)  # [1, P]
-            ctx_pos = torch.arange(start - pending.shape[0], start, device=device)
-            drafter.inject_context(
-                cache, pending, ctx_pos, slot_mapping(table, ctx_pos[None], DRAFT_PAGE_SIZE)[0]
-            )
-            lc = pages_for(start, DRAFT_PAGE_SIZE) * DRAFT_PAGE_SIZE
-            hidden = drafter.forward_block(
-                cache,
-                drafter.embed_block(block),
-                pos_tensor(start, size),
-                context_index(table, DRAFT_PAGE_SIZE, pages_for(start, DRAFT_PAGE_SIZE))[:, :lc],
-                torch.tensor([start], device=device),
-            )  # [1, size, D]
-            draft_logits = drafter.compute_logits(hidden[0, 1:])  # [g, V]
-            if sampling.is_greedy or sampling.greedy_draft:
-                block[0, 1:] = draft_logits.argmax(dim=-1)
-                if not sampling.is_greedy:
-                    draft_probs = torch.zeros_like(draft_logits, dtype=torch.float32)
-                    draft_probs.scatter_(-1, block[0, 1:, None], 1.0)
-            else:
-                draft_probs = probs_of(draft_logits)  # [g, V]
-                u = uniform(seeds, pos_tensor(start + 1, g), PURPOSE_DRAFT)[0]  # [g]
-                block[0, 1:] = sample_from_probs(draft_probs, u)
-            drafted += g
+        if size > 1:
+            assert draft is not None and pending is not None
+            draft_probs = draft.propose(block, pending, start, sampler)
+            drafted += size - 1
+        # --- verify: one target forward over the whole block
         logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
-        if sampling.is_greedy:
-            acc, emit = greedy_accept(block[:, 1:], logits[None])
-        else:
-            assert g == 0 or draft_probs is not None
-            q = draft_probs if draft_probs is not None else logits.new_zeros((0, logits.shape[-1]))
-            acc, emit = rejection_accept(
-                block[:, 1:],
-                q[None].float(),
-                probs_of(logits)[None],
-                uniform(seeds, pos_tensor(start + 1, g), PURPOSE_ACCEPT),
-                uniform(seeds, pos_tensor(start + 1, size), PURPOSE_EMIT),
-            )
-        a = int(acc[0])
+        # --- accept: a matching drafts, then the target's own token after them (a + 1 tokens)
+        a, token = _accept(block, logits, draft_probs, start, sampler)
         accepted_total += a
-        new_tokens = [*block[0, 1 : a + 1].tolist(), int(emit[0])]
-        produced = min(a + 1, max_len - start - 1)
-        for i, tok in enumerate(new_tokens[:produced]):
-            if tok in stop:
-                produced = i + 1
-                finish = "stop"
-                break
-        output.extend(new_tokens[:produced])
+        new_tokens = [*block[0, 1 : a + 1].tolist(), token]
+        # never past max_new_tokens; a stop token ends the round and the request
+        new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
+        if stopped:
+            finish = "stop"
+        produced = len(new_tokens)
+        output.extend(new_tokens)
+        # --- commit: the target cache keeps [0, start); the features of the produced positions
+        # (anchor first) go into the draft cache at the next round's injection
         start += produced
         target.crop(start)
         if layer_ids is not None:

@@ -15,7 +15,6 @@ neighbouring document as context, which inference never does.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import UsageError
+from dflash_trt.utils.jsonl import iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -64,41 +64,31 @@ def _iter_files(root: Path) -> Iterator[Path]:
 
 
 def _jsonl_records(path: Path) -> Iterator[Record]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
+    name = f"--data={str(path)!r}"
+    hint = 'write one object per line: {"messages": [...]} or {"text": "..."}'
+    for lineno, obj in iter_jsonl(path, name=name, hint=hint):
+        where = f"{path}:{lineno}"
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            msgs = obj["messages"]
+            if not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            ):
                 raise UsageError(
-                    f"--data={str(path)!r}: line {lineno} is not JSON ({exc.msg})",
-                    hint='write one object per line: {"messages": [...]} or {"text": "..."}',
-                ) from None
-            if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-                msgs = obj["messages"]
-                if not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                ):
-                    raise UsageError(
-                        f"--data={str(path)!r}: line {lineno}: every message needs string 'role' and 'content'",
-                        hint='e.g. {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}',
-                    )
-                yield Record(
-                    messages=tuple({"role": m["role"], "content": m["content"]} for m in msgs), source=where
+                    f"{name}: line {lineno}: every message needs string 'role' and 'content'",
+                    hint='e.g. {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}',
                 )
-            elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                yield Record(text=obj["text"], source=where)
-            else:
-                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise UsageError(
-                    f"--data={str(path)!r}: line {lineno} has neither 'messages' (a list) nor 'text' (a string): {keys}",
-                    hint='write {"messages": [{"role": ..., "content": ...}, ...]} or {"text": "..."} per line',
-                )
+            yield Record(
+                messages=tuple({"role": m["role"], "content": m["content"]} for m in msgs), source=where
+            )
+        elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            yield Record(text=obj["text"], source=where)
+        else:
+            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise UsageError(
+                f"{name}: line {lineno} has neither 'messages' (a list) nor 'text' (a string): {keys}",
+                hint='write {"messages": [{"role": ..., "content": ...}, ...]} or {"text": "..."} per line',
+            )
 
 
 def load_records(data: str | Path) -> list[Record]:

@@ -32,12 +32,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_trt.errors import UsageError
 from dflash_trt.training.data import Record, Sample
+
+if TYPE_CHECKING:
+    from dflash_trt.models.dflash_config import DFlashConfig, TargetInfo
+    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.reference.hf_target import HFTarget
 
 log = logging.getLogger(__name__)
 
@@ -471,6 +476,44 @@ def measure_tau(
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Pair:
+    """The frozen target (with its tokenizer) and the drafter configuration built for it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    target_dir: Path
+    tokenizer: Any
+    target: HFTarget
+    dcfg: DFlashConfig
+
+
+@dataclass
+class _Run:
+    """A training run in progress: what the loop reads, and the step it advances."""
+
+    cfg: TrainConfig
+    pair: _Pair
+    out: Path
+    samples: list[Sample]
+    samples_digest: str
+    steps_per_epoch: int
+    total: int
+    pad_id: int
+    drafter: DFlashDrafter
+    opt: torch.optim.Optimizer
+    step: int
+
+    def checkpoint(self) -> None:
+        """Export the drafter (z-lab layout) and save drafter + optimizer + step for --resume."""
+        export_drafter(self.drafter, self.out, dtype=getattr(torch, self.cfg.save_dtype))
+        _save_state(
+            self.out / STATE_FILE,
+            {"step": self.step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
+             "config": self.cfg.to_json(), "samples_digest": self.samples_digest},
+        )  # fmt: skip
+
+
 def train_drafter(
     cfg: TrainConfig,
     *,
@@ -478,19 +521,44 @@ def train_drafter(
     report: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train (or resume) a drafter as configured; returns the result after the final evaluation."""
-    from dflash_trt.models.checkpoint import load_drafter
-    from dflash_trt.models.dflash_config import TargetInfo, parse_dflash_config, validate_pair
-    from dflash_trt.models.drafter import DFlashDrafter
-    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer, resolve_models
-    from dflash_trt.reference.hf_target import HFTarget
-    from dflash_trt.training.forward import dflash_loss, make_block_batch, sample_anchors, training_forward
-    from dflash_trt.training.target_lm import lr_at
-    from dflash_trt.utils.device import resolve_device, resolve_dtype
-
     validate(cfg)
     t_start = time.perf_counter()
     progress = sys.stderr.isatty() if progress is None else progress
     out = Path(cfg.out).expanduser()
+    saved = _saved_state(cfg, out)
+    pair = _load_pair(cfg)
+    eos = pair.tokenizer.eos_token_id if pair.tokenizer is not None else None
+
+    out.mkdir(parents=True, exist_ok=True)
+    samples, prompts = _prepare_data(
+        cfg, pair.tokenizer, target_dir=pair.target_dir, out=out, block_size=pair.dcfg.block_size, eos_id=eos,
+        progress=progress, report=report,
+    )  # fmt: skip
+    digest = _samples_digest(samples)
+    if saved is not None and saved.get("samples_digest") != digest:
+        raise UsageError(
+            "--resume: the training samples differ from the saved run's (data, tokenizer or regeneration changed)",
+            hint="resume with the same --data and target, or use another --out",
+        )
+    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total = cfg.steps if cfg.steps is not None else (cfg.epochs or 6) * steps_per_epoch
+    drafter, opt, step = _init_drafter(cfg, pair, saved)
+    run = _Run(
+        cfg=cfg, pair=pair, out=out, samples=samples, samples_digest=digest, steps_per_epoch=steps_per_epoch,
+        total=total, pad_id=int(eos if eos is not None else 0), drafter=drafter, opt=opt, step=step,
+    )  # fmt: skip
+    _write_args(run, num_eval_prompts=len(prompts))
+    history, last_loss = _train_loop(run, progress=progress, report=report)
+    evaluation = _evaluate(run, prompts) if prompts else None
+    return TrainResult(
+        out=out, steps=run.step, final_loss=last_loss, eval=evaluation, seconds=time.perf_counter() - t_start,
+        log=history,
+    )  # fmt: skip
+
+
+def _saved_state(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
+    """The saved state to resume from (checked against `cfg`), or None for a fresh run; refuses
+    --resume without a run and a fresh run over an existing one."""
     state_path = out / STATE_FILE
     if cfg.resume and not state_path.is_file():
         raise UsageError(
@@ -501,18 +569,26 @@ def train_drafter(
             f"--out={str(out)!r} already holds a training run",
             hint="pass --resume to continue it, or choose another --out",
         )
-    saved: dict[str, Any] | None = None
-    if cfg.resume:
-        saved = torch.load(state_path, map_location="cpu", weights_only=False)
-        assert saved is not None
-        _check_resume(saved["config"], cfg.to_json())
+    if not cfg.resume:
+        return None
+    saved: dict[str, Any] = torch.load(state_path, map_location="cpu", weights_only=False)
+    _check_resume(saved["config"], cfg.to_json())
+    return saved
+
+
+def _load_pair(cfg: TrainConfig) -> _Pair:
+    """Load the frozen target and its tokenizer, and build the drafter configuration for it."""
+    from dflash_trt.models.dflash_config import parse_dflash_config, validate_pair
+    from dflash_trt.models.sources import load_tokenizer, resolve_models
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.utils.device import resolve_device, resolve_dtype
 
     dev = resolve_device(None if cfg.device == "auto" else cfg.device)
     dt = resolve_dtype(None if cfg.dtype == "auto" else cfg.dtype, dev)
     models = resolve_models(cfg.target)
     tokenizer = load_tokenizer(models.target_dir)
     target = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)
-    hf_model = target.model.requires_grad_(False)
+    target.model.requires_grad_(False)
     target_cfg = json.loads((models.target_dir / "config.json").read_text())
     info: TargetInfo = target.info
     mask_id = resolve_mask_token_id(tokenizer, info.vocab_size, cfg.mask_token_id)
@@ -526,138 +602,147 @@ def train_drafter(
     )
     dcfg = parse_dflash_config(hf_config=hf_cfg)
     validate_pair(dcfg, info)
-    block = dcfg.block_size
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    pad_id = int(eos if eos is not None else 0)
+    return _Pair(dev, dt, models.target_dir, tokenizer, target, dcfg)
 
-    out.mkdir(parents=True, exist_ok=True)
-    samples, prompts = _prepare_data(
-        cfg, tokenizer, target_dir=models.target_dir, out=out, block_size=block, eos_id=eos, progress=progress,
-        report=report,
-    )  # fmt: skip
-    digest = _samples_digest(samples)
-    if saved is not None and saved.get("samples_digest") != digest:
-        raise UsageError(
-            "--resume: the training samples differ from the saved run's (data, tokenizer or regeneration changed)",
-            hint="resume with the same --data and target, or use another --out",
-        )
-    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
-    total = cfg.steps if cfg.steps is not None else (cfg.epochs or 6) * steps_per_epoch
+
+def _init_drafter(
+    cfg: TrainConfig, pair: _Pair, saved: dict[str, Any] | None
+) -> tuple[DFlashDrafter, torch.optim.Optimizer, int]:
+    """A seeded random drafter bound to the target's frozen embedding and head, its AdamW and the
+    first step; from the saved state when resuming."""
+    from dflash_trt.models.drafter import DFlashDrafter
 
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter.random(dcfg, seed=cfg.seed, std=0.02).to(dev)
+    drafter = DFlashDrafter.random(pair.dcfg, seed=cfg.seed, std=0.02).to(pair.device)
     # Plain tensors, not Parameters: a bound Parameter would register in the drafter (its state
     # dict and its optimizer) although it belongs to the frozen target.
-    head_w, head_b = target.head()
+    head_w, head_b = pair.target.head()
     drafter.bind_target(
-        target.embed_weight().detach(), head_w.detach(), head_b.detach() if head_b is not None else None
+        pair.target.embed_weight().detach(), head_w.detach(), head_b.detach() if head_b is not None else None
     )
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step = 0
-    if saved is not None:
-        drafter.load_state_dict(saved["drafter"])
-        opt.load_state_dict(saved["optimizer"])
-        step = int(saved["step"])
+    if saved is None:
+        return drafter, opt, 0
+    drafter.load_state_dict(saved["drafter"])
+    opt.load_state_dict(saved["optimizer"])
+    return drafter, opt, int(saved["step"])
+
+
+def _write_args(run: _Run, *, num_eval_prompts: int) -> None:
+    """Write the resolved configuration of the run (train_args.json) and log it."""
     resolved = {
-        **cfg.to_json(),
-        "drafter": dcfg.to_hf_config(),
-        "num_samples": len(samples),
-        "num_eval_prompts": len(prompts),
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": total,
-        "target_dir": str(models.target_dir),
-        "device": str(dev),
-        "dtype": str(dt).removeprefix("torch."),
+        **run.cfg.to_json(),
+        "drafter": run.pair.dcfg.to_hf_config(),
+        "num_samples": len(run.samples),
+        "num_eval_prompts": num_eval_prompts,
+        "steps_per_epoch": run.steps_per_epoch,
+        "total_steps": run.total,
+        "target_dir": str(run.pair.target_dir),
+        "device": str(run.pair.device),
+        "dtype": str(run.pair.dtype).removeprefix("torch."),
     }
-    (out / ARGS_FILE).write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+    (run.out / ARGS_FILE).write_text(json.dumps(resolved, indent=2, default=str) + "\n")
     log.info(
         "train-drafter: %s", json.dumps({k: v for k, v in resolved.items() if k != "drafter"}, default=str)
     )
-    save_dtype = getattr(torch, cfg.save_dtype)
-    warmup = max(1, round(cfg.warmup_ratio * total))
-    autocast = dev.type == "cuda" and dt != torch.float32
 
-    def checkpoint() -> None:
-        export_drafter(drafter, out, dtype=save_dtype)
-        _save_state(
-            state_path,
-            {"step": step, "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
-             "config": cfg.to_json(), "samples_digest": digest},
-        )  # fmt: skip
 
-    bar = _bar(total, "train-drafter", progress)
+def _train_loop(
+    run: _Run, *, progress: bool, report: Callable[[dict[str, Any]], None] | None
+) -> tuple[list[dict[str, Any]], float]:
+    """Train from run.step to run.total, logging every log_every steps and checkpointing every
+    save_every steps, at the end and on Ctrl-C. Returns (the logged entries, the last loss)."""
+    cfg = run.cfg
+    warmup = max(1, round(cfg.warmup_ratio * run.total))
+    bar = _bar(run.total, "train-drafter", progress)
     if bar is not None:
-        bar.update(step)
+        bar.update(run.step)
     history: list[dict[str, Any]] = []
     last_loss = math.nan
     t_loop = time.perf_counter()
-    drafter.train()
+    run.drafter.train()
     try:
-        with (out / LOG_FILE).open("a") as logf:
-            while step < total:
-                epoch, pos = divmod(step, steps_per_epoch)
-                order = _sample_order(len(samples), seed=cfg.seed, epoch=epoch)
-                idx = order[pos * cfg.batch_size : (pos + 1) * cfg.batch_size]
-                batch_samples = [samples[i] for i in idx]
-                ids, mask, lengths = _collate(batch_samples, pad_id)
-                anchors = [
-                    sample_anchors(
-                        mask[k], length=int(lengths[k]), block_size=block, num_anchors=cfg.num_anchors,
-                        generator=_anchor_generator(cfg.seed, epoch, i),
-                    )
-                    for k, i in enumerate(idx)
-                ]  # fmt: skip
-                ids, mask, lengths = ids.to(dev), mask.to(dev), lengths.to(dev)
-                bb = make_block_batch(ids, mask, lengths, anchors, block_size=block, gamma=cfg.gamma)
-                feats = target_features(hf_model, ids, dcfg.target_layer_ids)  # [bs, S, K * D]
-                lr = lr_at(step, total=total, warmup=warmup, peak=cfg.lr, min_ratio=0.0)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                with torch.autocast(dev.type, dtype=dt, enabled=autocast):
-                    hidden = training_forward(drafter, feats, ids, bb.anchors, bb.valid)
-                    loss, stats = dflash_loss(drafter, hidden, bb)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
-                opt.step()
-                step += 1
+        with (run.out / LOG_FILE).open("a") as logf:
+            while run.step < run.total:
+                epoch = run.step // run.steps_per_epoch
+                stats, lr, grad_norm, valid = _train_step(run, warmup=warmup)
                 last_loss = stats.loss
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{stats.loss:.3f}", tau=f"{stats.tau:.2f}", lr=f"{lr:.1e}")
-                if step % cfg.log_every == 0 or step == total:
+                if run.step % cfg.log_every == 0 or run.step == run.total:
                     entry = {
-                        "step": step, "epoch": epoch, "loss": stats.loss, "tau_estimate": stats.tau,
+                        "step": run.step, "epoch": epoch, "loss": stats.loss, "tau_estimate": stats.tau,
                         "acc": [round(a, 4) for a in stats.acc], "lr": lr, "grad_norm": grad_norm,
-                        "blocks": int(bb.valid.sum()), "elapsed_s": round(time.perf_counter() - t_loop, 2),
+                        "blocks": int(valid.sum()), "elapsed_s": round(time.perf_counter() - t_loop, 2),
                     }  # fmt: skip
                     history.append(entry)
                     logf.write(json.dumps(entry) + "\n")
                     logf.flush()
                     if report is not None:
-                        report({"phase": "train", **entry, "total": total})
-                if step % cfg.save_every == 0 and step < total:
-                    checkpoint()
+                        report({"phase": "train", **entry, "total": run.total})
+                if run.step % cfg.save_every == 0 and run.step < run.total:
+                    run.checkpoint()
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
-        checkpoint()
-        log.warning("interrupted at step %d; state saved, continue with --resume", step)
+        run.checkpoint()
+        log.warning("interrupted at step %d; state saved, continue with --resume", run.step)
         raise
     if bar is not None:
         bar.close()
-    checkpoint()
+    run.checkpoint()
+    return history, last_loss
 
-    evaluation: dict[str, Any] | None = None
-    if prompts:
-        trained = load_drafter(out, device=dev, dtype=dt)  # what users will load: the exported file
-        stops = default_stop_token_ids(models.target_dir, tokenizer)
-        evaluation = measure_tau(
-            target, trained, prompts, max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=stops
+
+def _train_step(run: _Run, *, warmup: int) -> tuple[Any, float, float, torch.Tensor]:
+    """One optimizer step on the batch of run.step (its samples and anchors are fixed by seed,
+    epoch and sample); advances run.step. Returns (loss stats, lr, gradient norm, the valid-block
+    mask)."""
+    from dflash_trt.training.forward import dflash_loss, make_block_batch, sample_anchors, training_forward
+    from dflash_trt.training.target_lm import lr_at
+
+    cfg, dev, dt = run.cfg, run.pair.device, run.pair.dtype
+    block = run.pair.dcfg.block_size
+    epoch, pos = divmod(run.step, run.steps_per_epoch)
+    order = _sample_order(len(run.samples), seed=cfg.seed, epoch=epoch)
+    idx = order[pos * cfg.batch_size : (pos + 1) * cfg.batch_size]
+    ids, mask, lengths = _collate([run.samples[i] for i in idx], run.pad_id)
+    anchors = [
+        sample_anchors(
+            mask[k], length=int(lengths[k]), block_size=block, num_anchors=cfg.num_anchors,
+            generator=_anchor_generator(cfg.seed, epoch, i),
         )
-        evaluation["step"] = step
-        (out / EVAL_FILE).write_text(json.dumps(evaluation, indent=2) + "\n")
-    return TrainResult(
-        out=out, steps=step, final_loss=last_loss, eval=evaluation, seconds=time.perf_counter() - t_start,
-        log=history,
-    )  # fmt: skip
+        for k, i in enumerate(idx)
+    ]  # fmt: skip
+    ids, mask, lengths = ids.to(dev), mask.to(dev), lengths.to(dev)
+    bb = make_block_batch(ids, mask, lengths, anchors, block_size=block, gamma=cfg.gamma)
+    feats = target_features(run.pair.target.model, ids, run.pair.dcfg.target_layer_ids)  # [bs, S, K * D]
+    lr = lr_at(run.step, total=run.total, warmup=warmup, peak=cfg.lr, min_ratio=0.0)
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    with torch.autocast(dev.type, dtype=dt, enabled=dev.type == "cuda" and dt != torch.float32):
+        hidden = training_forward(run.drafter, feats, ids, bb.anchors, bb.valid)
+        loss, stats = dflash_loss(run.drafter, hidden, bb)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip))
+    run.opt.step()
+    run.step += 1
+    return stats, lr, grad_norm, bb.valid
+
+
+def _evaluate(run: _Run, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """tau of the exported drafter (what users will load) on the held-out prompts; writes eval.json."""
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.sources import default_stop_token_ids
+
+    pair = run.pair
+    trained = load_drafter(run.out, device=pair.device, dtype=pair.dtype)
+    stops = default_stop_token_ids(pair.target_dir, pair.tokenizer)
+    evaluation = measure_tau(
+        pair.target, trained, prompts, max_new_tokens=run.cfg.eval_max_new_tokens, stop_token_ids=stops
+    )
+    evaluation["step"] = run.step
+    (run.out / EVAL_FILE).write_text(json.dumps(evaluation, indent=2) + "\n")
+    return evaluation
