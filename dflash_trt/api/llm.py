@@ -78,7 +78,8 @@ class LLM:
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
     CUDA when triton is installed, False forces the PyTorch path), cpu_threads (torch's intra-op
     threads on CPU, process-wide; default: 1 for models narrower than 1024 when OMP_NUM_THREADS is
-    unset, else torch's own default; see `cpu_threads_for`).
+    unset, else torch's own default; see `cpu_threads_for`), compile (torch.compile the round with
+    inductor; the compilation runs here, before the first request: tens of seconds on CPU).
     Prompts take TensorRT-LLM's forms: a string, a list of token ids, {"prompt": str} or
     {"prompt_token_ids": [...]}.
     """
@@ -100,6 +101,7 @@ class LLM:
         profile: bool = False,
         use_plugins: bool | None = None,
         cpu_threads: int | None = None,
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         _check_accepted_noops(kwargs)
@@ -132,6 +134,7 @@ class LLM:
             enforce_eager=enforce_eager,
             profile=profile,
             use_plugins=use_plugins,
+            compile=compile,
         )
         with torch.inference_mode():
             self.engine = LLMEngine(
@@ -144,6 +147,8 @@ class LLM:
                 dtype=self.dtype,
                 eos_token_ids=tuple(default_stop_token_ids(models.target_dir, self.tokenizer)),
             )
+            if compile:  # compile before the first request, not inside it
+                log.info("compiled rounds ready in %.1f s", self.engine.warm_up())
         self.speculative_config = spec
         self.args = {
             "model": str(model),
@@ -157,7 +162,8 @@ class LLM:
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {}
         self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
-        self._rounds_seen = (0, 0.0)
+        warm = self.engine.stats()
+        self._rounds_seen = (warm["rounds"], warm["round_s"])  # warm-up rounds are not reported
         self._closed = False
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
@@ -365,7 +371,7 @@ def _check_accepted_noops(kwargs: dict[str, Any]) -> None:
             raise TypeError(
                 f"LLM() got an unsupported argument {key!r}; the embedded engine accepts: model, tokenizer, "
                 "speculative_config, max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, "
-                f"cuda_graph_config, device, dtype, enforce_eager, profile, use_plugins, cpu_threads, "
+                f"cuda_graph_config, device, dtype, enforce_eager, profile, use_plugins, cpu_threads, compile, "
                 f"{', '.join(sorted(_ACCEPTED_NOOP))}"
             )
         allowed = _ACCEPTED_NOOP[key]

@@ -105,6 +105,7 @@ class LLMEngine:
             profile=config.profile,
             static_rounds=config.static_rounds,
             use_plugins=config.use_plugins,
+            compile=config.compile,
             **({"graph_batch_sizes": config.graph_batch_sizes} if config.graph_batch_sizes else {}),
         )
         self._ids = itertools.count()
@@ -243,6 +244,22 @@ class LLMEngine:
     @property
     def num_active(self) -> int:
         return self.scheduler.num_active
+
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> float:
+        """Run throwaway greedy requests to completion so that what is built on first use (the
+        compiled round for batch 1 and for larger batches, across page-width growth) is ready
+        before real traffic. Returns the seconds it took. Engine thread, before serving."""
+        t0 = time.perf_counter()
+        new_tokens = min(3 * PAGE_SIZE, self.config.max_seq_len - 2)
+        for bs in batch_sizes:
+            if bs > self.config.max_batch_size or new_tokens < 1:
+                continue
+            for i in range(bs):
+                prompt = [1 + i % max(1, self.vocab_size - 1)] * 2
+                self.add_request(prompt, RequestParams(max_tokens=new_tokens, ignore_eos=True))
+            while self.has_work():
+                self.step()
+        return time.perf_counter() - t0
 
     # --- the step (engine thread) -----------------------------------------------------------------
     def step(self) -> list[StepUpdate]:

@@ -83,11 +83,14 @@ class ModelRunner:
         profile: bool = False,
         static_rounds: bool = False,
         use_plugins: bool | None = None,
+        compile: bool = False,
     ) -> None:
         """static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
         exercises exactly the padding a captured round sees; tests use it). use_plugins: run KV
         injection, block attention and acceptance on the dflash:: custom ops (Triton kernels on CUDA,
-        PyTorch references on CPU); None = on for CUDA when triton is installed."""
+        PyTorch references on CPU); None = on for CUDA when triton is installed. compile: run the round
+        through torch.compile (inductor) with dynamic batch and context sizes: one compilation per
+        (g, sampling flags, batch 1 or more), then fused kernels instead of hundreds of dispatches."""
         self.target = target
         self.drafter = drafter
         self.device = target.model.embed_tokens.weight.device
@@ -134,11 +137,23 @@ class ModelRunner:
             from dflash_trt.ops.drafting import enable_plugins
 
             self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
+        self.compiled = compile
+        if compile:
+            # The instance attribute shadows the method for every caller (eager, static and graph rounds).
+            self._round_core = torch.compile(self._round_core, dynamic=True)  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------------------------
     def _sync(self) -> None:
         if self.profile and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(self.device)
+
+    def _phase_clock(self) -> float:
+        """A phase boundary inside the round: with profiling, synchronise and read the clock; without
+        it, nothing (so the round stays free of host calls for CUDA graphs and torch.compile)."""
+        if not self.profile:
+            return 0.0
+        self._sync()
+        return time.perf_counter()
 
     def _tables(self, reqs: list[Request], width: int) -> torch.Tensor:
         rows = [s.pages[:width] + [0] * (width - min(width, len(s.pages))) for s in reqs]
@@ -287,7 +302,7 @@ class ModelRunner:
         block_pos = starts[:, None] + j  # [bs, Bq]
         blk_valid = j[None, :] < block_lens[:, None]  # [bs, Bq]
 
-        t_draft = time.perf_counter()
+        t_draft = self._phase_clock()
         drafts = torch.zeros(bs, g, dtype=torch.long, device=dev)
         q_probs = None
         if self.drafter is not None:
@@ -331,8 +346,7 @@ class ModelRunner:
                     drafts = torch.where(greedy_draft[:, None], argmax, sampled)
                     one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
                     q_probs = torch.where(greedy_draft[:, None, None], one_hot, q_probs)
-        self._sync()
-        t_verify = time.perf_counter()
+        t_verify = self._phase_clock()
 
         # 3. verify [anchor, drafts] in one target pass
         tokens = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, Bq]
@@ -348,8 +362,7 @@ class ModelRunner:
         )  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
         if taps is not None:
             self.pending_feats[rows, :bq] = taps.to(self.pending_feats.dtype)
-        self._sync()
-        t_accept = time.perf_counter()
+        t_accept = self._phase_clock()
 
         # 4. accept
         d_valid = j[None, 1:] < block_lens[:, None]  # [bs, g]: draft j+1 lies inside the block
@@ -375,11 +388,11 @@ class ModelRunner:
                 uniform(seeds, block_pos + 1, PURPOSE_EMIT),
                 d_valid,
             )
-        self._sync()
-        t_end = time.perf_counter()
-        self.times.draft_s += t_verify - t_draft
-        self.times.verify_s += t_accept - t_verify
-        self.times.accept_s += t_end - t_accept
+        if self.profile:
+            t_end = self._phase_clock()
+            self.times.draft_s += t_verify - t_draft
+            self.times.verify_s += t_accept - t_verify
+            self.times.accept_s += t_end - t_accept
         return acc, emit, drafts
 
     # --- static rounds and CUDA graphs -----------------------------------------------------------
