@@ -266,13 +266,30 @@ class ModelRunner:
 
     def _eager(self, inputs: dict[str, list], tables: list[list[int]], g: int, width: int, flags: tuple):
         dev = self.device
+        bs = len(tables)
+        if self.compiled and bs == 1:
+            # torch.compile specialises sizes of 1: give it a second (padding) row and page so that
+            # one compiled graph serves every batch and context size. The padding row follows the
+            # static rounds' contract (one token at position 1 on page 0, the spare pending row) and
+            # copies row 0's sampling parameters, so it never changes the round's flags.
+            inputs = {k: [*v, v[0]] for k, v in inputs.items()}
+            inputs.update(
+                starts=[*inputs["starts"][:1], 1],
+                block_lens=[*inputs["block_lens"][:1], 1],
+                num_pending=[*inputs["num_pending"][:1], 0],
+                rows=[*inputs["rows"][:1], self.max_batch_size],
+            )
+            tables = [*tables, []]
+        if self.compiled:
+            width = max(width, 2)
         t = {k: torch.tensor(v, device=dev) for k, v in inputs.items()}
         rows = [p[:width] + [0] * (width - min(width, len(p))) for p in tables]
-        return self._round_core(
+        acc, emit, drafts = self._round_core(
             t["anchors"], t["starts"], t["block_lens"], torch.tensor(rows, dtype=torch.long, device=dev),
             t["num_pending"], t["rows"], t["seeds"], t["temps"].float(), t["top_k"], t["top_p"].float(),
             t["greedy_draft"], g=g, flags=flags,
         )  # fmt: skip
+        return acc[:bs], emit[:bs], drafts[:bs]
 
     def _round_core(
         self,
