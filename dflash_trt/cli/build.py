@@ -83,14 +83,19 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     "--output", "-o", type=click.Path(file_okay=False, path_type=Path), help="Bundle directory to write."
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Resolve and validate only (configs are downloaded, weights never)."
+    "--dry-run",
+    is_flag=True,
+    help="Resolve and validate only (configs are read or downloaded, weights never).",
 )
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the plan (or the written manifest) as one JSON object."
 )
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --output.")
 @click.option(
-    "--offline", is_flag=True, help="Never download; use local directories and the Hugging Face cache."
+    "--offline",
+    is_flag=True,
+    help="Never contact the Hub (also HF_HUB_OFFLINE=1): configs come from $DFLASH_TRT_CONFIG_DIR, the "
+    "Hugging Face cache, or the copies shipped with dflash-trt.",
 )
 def build(**kw) -> None:
     """Build a deployment bundle: validated TensorRT-LLM DFlash config, checkpoints, Triton
@@ -98,6 +103,9 @@ def build(**kw) -> None:
 
     TensorRT-LLM runs DFlash in its PyTorch backend from checkpoints plus an LLM-API config
     (DFlashDecodingConfig); there is no TensorRT engine to compile, so none is produced.
+
+    Hub access: HF_ENDPOINT names a mirror, HF_TOKEN authenticates for gated repos. Without a
+    route to the Hub, registered pairs plan from the configs shipped with dflash-trt.
 
     \b
     Examples:
@@ -111,7 +119,7 @@ def build(**kw) -> None:
     output, dry, as_json, force = kw.pop("output"), kw.pop("dry_run"), kw.pop("as_json"), kw.pop("force")
     req = BuildRequest(**kw)
     plan = make_plan(req)
-    for w in plan.warnings:
+    for w in [*plan.notices, *plan.warnings]:
         click.echo(f"warning: {w}", err=True)
     if dry:
         data = plan.to_json()
@@ -141,6 +149,11 @@ def _print_plan(data: dict) -> None:
     mem = data["validation"].get("memory")
     if mem:
         click.echo(f"memory:   {mem['per_gpu_gb']} GB per GPU of {mem['budget_per_gpu_gb']} GB usable")
+    sources = data.get("config_sources") or {}
+    if sources:
+        click.echo(
+            "configs:  " + ", ".join(f"{role} from {src.get('source')}" for role, src in sources.items())
+        )
     click.echo(f"llm_api:  {json.dumps(data['llm_api'])}")
     click.echo("files:    " + ", ".join(data["will_write"]))
     for n in data["notes"]:
