@@ -164,14 +164,24 @@ def _print_plan(data: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def models(as_json: bool) -> None:
     """List the published z-lab DFlash drafters and their targets (short names for --target)."""
+    from dflash_trt.builder.configs import shipped_index
     from dflash_trt.builder.registry import ENTRIES
 
+    shipped = shipped_index()
+
+    def offline(e) -> bool:
+        return e.target_id in shipped and e.drafter_id in shipped
+
     if as_json:
-        sys.stdout.write(json.dumps([e.to_dict() for e in ENTRIES], indent=2) + "\n")
+        rows = [{**e.to_dict(), "shipped_configs": offline(e)} for e in ENTRIES]
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     click.echo(f"{'name':<20} {'target':<34} {'drafter':<44} {'B':>3} {'L':>2} {'GiB':>5}  attention")
     for e in ENTRIES:
-        mark = "" if e.verified_ids else " *"
+        mark = ("" if e.verified_ids else " *") + (" (offline)" if offline(e) else "")
         click.echo(f"{e.name:<20} {e.target_id:<34} {e.drafter_id:<44} {e.block_size:>3} {e.draft_layers:>2} "
                    f"{e.drafter_gib:>5.2f}  {e.attention}{mark}")  # fmt: skip
-    click.echo("* target id inferred from the drafter's name (unverified); plus `tiny`, the embedded pair")
+    click.echo(
+        "* target id inferred from the drafter's name (unverified); (offline): configs shipped with "
+        "dflash-trt, plans without the Hub; plus `tiny`, the embedded pair"
+    )
