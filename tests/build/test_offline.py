@@ -343,3 +343,17 @@ def test_hub_module_reads_the_token_file(monkeypatch, tmp_path):
     assert hub.token() == "hf_from_file"
     monkeypatch.setenv("HF_TOKEN", "hf_env")
     assert hub.token() == "hf_env"
+
+
+def test_written_manifest_says_which_configs_the_plan_used(tmp_path, capsys):
+    out = tmp_path / "gpt"
+    rc, _, err = run(["build", *PLANS["gpt-oss-120b-b200-tp8"], "--offline", "--output", str(out)], capsys)
+    assert rc == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    for role in ("target", "drafter"):
+        source = manifest["config_sources"][role]
+        assert (
+            source["source"] == "shipped"
+            and source["reason"] == "--offline"
+            and source["revision"] == "unknown"
+        )
