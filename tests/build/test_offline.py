@@ -363,3 +363,31 @@ def test_written_manifest_says_which_configs_the_plan_used(tmp_path, capsys):
             and source["reason"] == "--offline"
             and source["revision"] == "unknown"
         )
+
+
+@pytest.mark.parametrize("mode", ["refused", "--offline"])
+def test_a_build_that_needs_weights_names_the_missing_network_at_once(mode, monkeypatch, tmp_path, capsys):
+    """Planning fell back on the shipped configs; quantizing needs the weights: the writer says so
+    with the planner's cause instead of waiting for huggingface_hub's retries, and writes nothing."""
+    args = [*PLANS["qwen3-8b-h100-fp8"], "--output", str(tmp_path / "out")]
+    if mode == "refused":
+        port = closed_port()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    else:
+        args.append("--offline")
+    t0 = time.monotonic()
+    rc, _, err = run(["build", *args], capsys)
+    line = one_line_error(err)
+    assert rc == 1 and time.monotonic() - t0 < 5
+    if mode == "refused":
+        assert (
+            f"cannot download the weights of Qwen/Qwen3-8B: cannot reach the Hub mirror HF_ENDPOINT=http://127.0.0.1:{port} (connection refused"
+            in line
+        ), line
+    else:
+        assert (
+            "the weights of Qwen/Qwen3-8B are not in the Hugging Face cache and --offline forbids downloading"
+            in line
+        )
+    assert "fix: fill the Hugging Face cache" in line and "HF_ENDPOINT" in line
+    assert not (tmp_path / "out").exists()
