@@ -122,6 +122,19 @@ def _uses_proxy(url: str) -> bool:
     return parts.scheme in proxies and not urllib.request.proxy_bypass(parts.hostname or "")
 
 
+def _failure(url: str, reason: object) -> str:
+    """The cause of a failed request, naming the proxy when one carried it."""
+    parts = urlsplit(url)
+    if _uses_proxy(url):
+        proxy = urllib.request.getproxies()[parts.scheme]
+        pp = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        cause = _network_cause(reason, pp.hostname or "", pp.port or (443 if pp.scheme == "https" else 80))
+        return f"through the proxy {proxy}: {cause}"
+    return _network_cause(
+        reason, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    )
+
+
 def _network_cause(reason: object, host: str, port: int) -> str:
     if isinstance(reason, socket.gaierror):
         return f"DNS lookup failed for {host}: {reason.strerror or reason}"
@@ -220,7 +233,9 @@ def get_json(
         if tok:
             headers["Authorization"] = f"Bearer {tok}"
         request = urllib.request.Request(url, headers=headers)
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
+        # a fresh opener: urlopen's global one keeps the proxies of the environment it first saw
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler())
+        with opener.open(request, timeout=TIMEOUT_S) as resp:
             body = resp.read(MAX_BYTES + 1)
             commit = resp.headers.get("X-Repo-Commit") or None
     except HubUnreachable as exc:
@@ -230,14 +245,14 @@ def get_json(
         code = exc.headers.get("X-Error-Code", "") if exc.headers else ""
         exc.close()
         if exc.code in (401, 403, 404):
-            if (optional and exc.code == 404) or (optional and code == "EntryNotFound"):
+            if optional and (exc.code == 404 or code == "EntryNotFound"):
                 return None, None
             raise _denied(exc.code, code, repo_id, filename, revision) from None
         raise HubUnreachable(f"{host} answered HTTP {exc.code} {exc.reason}", repo_id=repo_id) from None
     except urllib.error.URLError as exc:
-        raise HubUnreachable(_network_cause(exc.reason, host, port), repo_id=repo_id) from None
+        raise HubUnreachable(_failure(url, exc.reason), repo_id=repo_id) from None
     except (OSError, ValueError) as exc:  # timeouts and resets while reading the body
-        raise HubUnreachable(_network_cause(exc, host, port), repo_id=repo_id) from None
+        raise HubUnreachable(_failure(url, exc), repo_id=repo_id) from None
     if len(body) > MAX_BYTES:
         raise HubUnreachable(
             f"{url} is larger than {MAX_BYTES >> 20} MiB, not a config file", repo_id=repo_id

@@ -65,6 +65,22 @@ def run(args, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def timed_run(cmd: list[str], env: dict[str, str], tmp_path: Path):
+    """(completed process, wall seconds, seconds its main thread waited on a CPU run queue)."""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as fo, err.open("w") as fe:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe, text=True)
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped: /proc is readable
+        wall = time.monotonic() - t0
+        try:
+            queued = int(Path(f"/proc/{proc.pid}/schedstat").read_text().split()[1]) / 1e9
+        except OSError:  # no schedstat on this kernel: count the whole wall time
+            queued = 0.0
+        proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text()), wall, queued
+
+
 def shipped_config(repo: str) -> dict:
     return json.loads((SHIPPED / repo.replace("/", "--") / "config.json").read_text())
 
@@ -112,18 +128,11 @@ def test_quickstart_plans_offline_equal_the_goldens_in_under_5s(name, tmp_path):
         env["HF_HUB_OFFLINE"] = "1"
     else:
         args.append("--offline")
-    # Best of two runs: the bound is about waiting for the network (the old code retried for 23 s), and
-    # a machine shared with other jobs can stretch one cold start (torch is imported) past it.
-    times = []
-    for _ in range(2):
-        t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "dflash_trt", "build", *args], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
-        times.append(time.monotonic() - t0)
-        assert proc.returncode == 0, proc.stderr
-        if times[-1] < 5.0:
-            break
-    assert min(times) < 5.0, f"{name} took {', '.join(f'{t:.2f}' for t in times)} s offline"
+    proc, wall, queued = timed_run([sys.executable, "-m", "dflash_trt", "build", *args], env, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    # The bound is about waiting for the network (the old code retried for 23 s). Time the process spent
+    # runnable but not running, because other jobs held the CPUs, is not the plan's doing: it is left out.
+    assert wall - queued < 5.0, f"{name}: {wall:.2f} s offline, {queued:.2f} s of it waiting for a CPU"
     plan = json.loads(proc.stdout)
     expected = json.loads((GOLDEN / f"{name}.json").read_text())
     if mode == "--offline":
@@ -391,3 +400,17 @@ def test_a_build_that_needs_weights_names_the_missing_network_at_once(mode, monk
         )
     assert "fix: fill the Hugging Face cache" in line and "HF_ENDPOINT" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_proxy_failure_names_the_proxy(monkeypatch, capsys):
+    port = closed_port()
+    monkeypatch.setenv("HF_ENDPOINT", "http://hub.dflash-trt.invalid")
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    rc, _, err = run(["build", "--target", "qwen3-4b", "--gpu", "h100", "--dry-run"], capsys)
+    line = one_line_error(err)
+    assert (
+        rc == 1
+        and f"through the proxy http://127.0.0.1:{port}: connection refused by 127.0.0.1:{port}" in line
+    ), line
