@@ -87,10 +87,10 @@ class ConfigReader:
             else:
                 assert self.hub_down is not None  # online, nothing local: the Hub failed
                 reason = self.hub_down.message
-                first = not any(n.startswith(reason) for n in self.notices)
+                lead = reason if not any(n.startswith(reason) for n in self.notices) else "still no Hub"
                 self.notices.append(
-                    f"{reason if first else 'still offline'}: {what} {repo_id} is planned from the config "
-                    f"shipped with dflash-trt (upstream revision {meta['revision']})"
+                    f"{lead}: {what} {repo_id} is planned from the config shipped with dflash-trt "
+                    f"(upstream revision {meta['revision']})"
                 )
             provenance = {"source": "shipped", "revision": meta["revision"], "origin": meta["origin"],
                           "reason": reason}  # fmt: skip

@@ -45,7 +45,7 @@ def run(args: list[str], capsys) -> tuple[int, str, str]:
 
 def stable(plan: dict) -> dict:
     """The plan without provenance: package versions and which copy of the configs was read (the
-    same plan comes from the shipped copies, the Hub or $DFLASH_TRT_CONFIG_DIR; tests/build/test_offline.py)."""
+    same plan comes from the shipped copies, the Hub or $DFLASH_TRT_CONFIG_DIR: test_offline.py)."""
     plan = json.loads(json.dumps(plan))
     plan.pop("versions", None)
     plan.pop("config_sources", None)

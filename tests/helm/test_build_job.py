@@ -237,8 +237,8 @@ def test_dashboard_configmap_for_the_grafana_sidecar() -> None:
     assert dashboard == json.loads((CHART_DIR / "dashboards" / "dflash-trt.json").read_text())
     titles = {p["title"] for p in dashboard["panels"]}
     for title in ("DFlash drafter", "τ over time", "Acceptance length histogram", "Output tokens/s",
-                  "Queue and active requests", "KV cache utilization", "Round duration", "Time to first token",
-                  "Inter-token latency", "Triton: time per request"):  # fmt: skip
+                  "Queue and active requests", "KV cache utilization", "Round duration",
+                  "Time to first token", "Inter-token latency", "Triton: time per request"):  # fmt: skip
         assert title in titles, title
     other_ns = deploy.merge_values(
         load_value_set(MONITORED), {"metrics": {"grafanaDashboard": {"namespace": "grafana"}}}
