@@ -14,6 +14,8 @@ import pytest
 from dflash_trt.deploy import chart as deploy
 from tests.serving.conftest import http_generate
 
+pytestmark = [pytest.mark.triton_server, pytest.mark.helm]
+
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "dflash-trt"
 # labels Prometheus adds when it scrapes a pod; the server cannot serve them
 SCRAPE_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
