@@ -19,26 +19,31 @@ pytestmark = [pytest.mark.triton_server, pytest.mark.helm]
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "dflash-trt"
 # labels Prometheus adds when it scrapes a pod; the server cannot serve them
 SCRAPE_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
-PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
-                "group_right", "inf", "nan"}  # fmt: skip
-_SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
+# Grafana's range macros, replaced by a duration so that the query parses as PromQL
+GRAFANA_MACROS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 _MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
-_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_NAME = re.compile(r"(?<![\w.$])([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?")
 
 
 def queried_series(expr: str) -> list[tuple[str, dict[str, tuple[str, str]]]]:
-    """(metric name, {label: (operator, value)}) of every series an expression selects."""
-    out = []
-    for name, body in _SELECTOR.findall(expr):
-        out.append((name, {m[0]: (m[1], m[2]) for m in _MATCHER.findall(body)}))
-    rest = _SELECTOR.sub(" ", expr)
-    rest = _GROUPING.sub(" ", rest)
-    rest = re.sub(r"\[[^\]]*\]", " ", rest)
-    rest = re.sub(r'"(?:[^"\\]|\\.)*"', " ", rest)
-    for name, call in _NAME.findall(rest):
-        if not call and name not in PROMQL_WORDS:
-            out.append((name, {}))
+    """(metric name, {label: (operator, value)}) of every series an expression selects, from
+    Prometheus' grammar (promql-parser); a syntax error fails here as it would in Prometheus."""
+    import promql_parser
+
+    for macro, duration in GRAFANA_MACROS.items():
+        expr = expr.replace(macro, duration)
+    ops = [(promql_parser.MatchOp.Equal, "="), (promql_parser.MatchOp.NotEqual, "!="),
+           (promql_parser.MatchOp.Re, "=~"), (promql_parser.MatchOp.NotRe, "!~")]  # fmt: skip
+    out: list[tuple[str, dict[str, tuple[str, str]]]] = []
+
+    def visit(node: object) -> bool:
+        if isinstance(node, promql_parser.VectorSelector):
+            labels = {
+                m.name: (next(t for op, t in ops if op == m.op), m.value) for m in node.matchers.matchers
+            }
+            out.append((node.name or labels.pop("__name__", ("", ""))[1], labels))
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
     return out
 
 
@@ -101,12 +106,14 @@ def missing(queries: list[tuple[str, str]], series: dict[str, list[dict[str, str
 
 def test_query_parser_finds_names_and_matchers():
     expr = ('histogram_quantile(0.95, sum by (le) (rate(a_bucket{model=~"$model",x="1"}[$__rate_interval])))'
-            ' / on (pod) b_total and c == 1 / 1e-9')  # fmt: skip
+            ' / on (pod) b_total and deriv(sum(c)[10m:1m]) > 1e-9')  # fmt: skip
     assert queried_series(expr) == [
         ("a_bucket", {"model": ("=~", "$model"), "x": ("=", "1")}),
         ("b_total", {}),
         ("c", {}),
     ]
+    with pytest.raises(ValueError):
+        queried_series("sum(rate(a_total[5m])")
 
 
 @pytest.fixture(scope="module")
