@@ -49,7 +49,7 @@ def endpoint() -> str:
 def describe_endpoint() -> str:
     ep = endpoint()
     if ep == DEFAULT_ENDPOINT:
-        return f"the Hugging Face Hub ({ep})"
+        return f"the Hugging Face Hub at {ep}"
     return f"the Hub mirror HF_ENDPOINT={ep}"
 
 
