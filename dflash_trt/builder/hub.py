@@ -229,10 +229,10 @@ def get_json(
         if not _uses_proxy(url):
             _lookup(host, port)
         headers = {"User-Agent": f"dflash-trt/{__version__}", "Accept": "application/json"}
-        tok = token()
-        if tok:
-            headers["Authorization"] = f"Bearer {tok}"
         request = urllib.request.Request(url, headers=headers)
+        tok = token()
+        if tok:  # never forwarded by a redirect (the Hub redirects large files to another host)
+            request.add_unredirected_header("Authorization", f"Bearer {tok}")
         # a fresh opener: urlopen's global one keeps the proxies of the environment it first saw
         opener = urllib.request.build_opener(urllib.request.ProxyHandler())
         with opener.open(request, timeout=TIMEOUT_S) as resp:

@@ -20,6 +20,7 @@ class Hub:
     # "org/name" -> (status, X-Error-Code) for every file of that repo
     refuse: dict[str, tuple[int, str]] = field(default_factory=dict)
     token: str | None = None  # when set, other Authorization headers get 401
+    redirect: dict[str, str] = field(default_factory=dict)  # "org/name/file" -> absolute URL (302)
     requests: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Authorization)
     url: str = ""
 
@@ -60,6 +61,8 @@ def serve(hub: Hub):
             if hub.token is not None and auth != f"Bearer {hub.token}":
                 return self._send(401, b'{"error": "auth"}', {})
             key = f"{repo}/{filename}"
+            if key in hub.redirect:
+                return self._send(302, b"", {"Location": hub.redirect[key]})
             if key not in hub.files:
                 code = "EntryNotFound" if f"{repo}/config.json" in hub.files else "RepoNotFound"
                 return self._send(404, b"{}", {"X-Error-Code": code})

@@ -414,3 +414,28 @@ def test_a_proxy_failure_names_the_proxy(monkeypatch, capsys):
         rc == 1
         and f"through the proxy http://127.0.0.1:{port}: connection refused by 127.0.0.1:{port}" in line
     ), line
+
+
+def test_the_token_is_not_forwarded_by_a_redirect(fake_hub, monkeypatch, capsys):
+    """The Hub redirects some files to another host (a CDN); the token stays with the Hub."""
+    cdn = Hub()
+    server, _ = serve(cdn)
+    try:
+        monkeypatch.setenv("HF_TOKEN", "hf_secret")
+        for repo, hub_copy in (("Qwen/Qwen3-8B", cdn), ("z-lab/Qwen3-8B-DFlash-b16", fake_hub)):
+            hub_copy.add_repo(
+                repo, shipped_config(repo), configs.shipped_index()[repo]["weights"]["total_size"]
+            )
+        fake_hub.add_repo("Qwen/Qwen3-8B", {}, None)  # never served: config.json redirects to the CDN
+        fake_hub.files["Qwen/Qwen3-8B/model.safetensors.index.json"] = cdn.files[
+            "Qwen/Qwen3-8B/model.safetensors.index.json"
+        ]
+        fake_hub.redirect["Qwen/Qwen3-8B/config.json"] = f"{cdn.url}/Qwen/Qwen3-8B/resolve/main/config.json"
+        rc, out, err = run(["build", *PLANS["qwen3-8b-h100-fp8"], "--dry-run", "--json"], capsys)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 0, err
+    assert json.loads(out)["target"]["hidden_size"] == 4096  # the CDN's copy was read
+    assert cdn.requests == [("/Qwen/Qwen3-8B/resolve/main/config.json", None)]
+    assert fake_hub.requests[0] == ("/Qwen/Qwen3-8B/resolve/main/config.json", "Bearer hf_secret")
