@@ -10,10 +10,6 @@ from dflash_trt.builder.plan import BuildRequest
 from dflash_trt.builder.source import ModelSource, ResolvedPair
 from dflash_trt.engine.checkpoint import DFlashConfig
 
-TRTLLM_MIN_VERSION = "1.3.0rc (first release with DFlash, TensorRT-LLM PR #12794)"
-TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3"
-MEMORY_UTILISATION = 0.9  # fraction of HBM a deployment may plan for
-
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(cfg.get("text_config") or cfg)

@@ -17,9 +17,6 @@ from dflash_trt.builder.gpus import GpuProfile
 from dflash_trt.builder.llm_api import validate_llm_api
 from dflash_trt.builder.plan import CHECKPOINTS, MODEL_NAME, BuildPlan, BuildRequest, bundle_name
 from dflash_trt.builder.shapes import (
-    MEMORY_UTILISATION,
-    TRTLLM_IMAGE,
-    TRTLLM_MIN_VERSION,
     bytes_per_param,
     common_sections,
     estimate_params,
@@ -32,6 +29,10 @@ from dflash_trt.builder.shapes import (
 from dflash_trt.builder.source import ResolvedPair
 from dflash_trt.engine.checkpoint import DFlashConfig
 from dflash_trt.errors import UsageError
+
+TRTLLM_MIN_VERSION = "1.3.0rc (first release with DFlash, TensorRT-LLM PR #12794)"
+TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3"
+MEMORY_UTILISATION = 0.9  # fraction of HBM a deployment may plan for
 
 # ModelOpt 0.47 recipes and the TensorRT-LLM quant algo they produce.
 RECIPES = {
