@@ -21,6 +21,11 @@ def test_wheel_contents(tmp_path):
     for required in (
         "dflash_trt/triton/templates/model.py",
         "dflash_trt/builder/data/trtllm_llmapi_fields.json",
+        "dflash_trt/builder/data/configs/sources.json",
+        "dflash_trt/builder/data/configs/openai--gpt-oss-120b/config.json",
+        "dflash_trt/_chart/dflash-trt/dashboards/dflash-trt.json",
+        "dflash_trt/_chart/dflash-trt/templates/build-job.yaml",
+        "dflash_trt/_chart/schemas/prometheusrule-monitoring-v1.json",
         "dflash_trt/_chart/dflash-trt/Chart.yaml",
         "dflash_trt/_chart/dflash-trt/values.schema.json",
         "dflash_trt/_chart/dflash-trt/templates/deployment.yaml",

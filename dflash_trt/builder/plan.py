@@ -66,6 +66,9 @@ class BuildPlan:
     copies: dict[str, str] = field(default_factory=dict)  # bundle-relative dest -> source dir
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # which copy of each config.json the plan read (shipped, Hub, cache, ...): provenance, not plan
+    config_sources: dict[str, Any] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)  # provenance warnings, printed, not part of the plan
 
     def manifest(self) -> dict[str, Any]:
         """manifest.json content (schema_version 1)."""
@@ -85,6 +88,7 @@ class BuildPlan:
             "validation": self.validation,
             "files": self.files,
             "versions": versions(),
+            "config_sources": self.config_sources,
             "notes": self.notes,
             "warnings": self.warnings,
         }

@@ -2,22 +2,15 @@
 """Published z-lab DFlash drafters and their targets.
 
 Shapes and layer ids come from the drafters' config.json as read by third parties (see
-docs in the repository's shared notes); `build` always re-reads the real config.json, so a stale
-row here can only mislead `dflash-trt models`, never a build. Target ids for the newest families
+docs in the repository's shared notes); `build` reads config.json (see builder/configs.py), so a
+stale row here can only mislead `dflash-trt models`, never a build. Target ids for the newest families
 (Qwen3.5/3.6, Gemma-4, Kimi-K2.5) are marked unverified.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
-
-from dflash_trt.errors import EnvironmentMissing, UsageError
-
-FIXTURE_ENV = "DFLASH_TRT_CONFIG_DIR"  # <dir>/<org>--<name>/config.json pre-seeds configs (offline use)
 
 
 @dataclass(frozen=True)
@@ -102,57 +95,3 @@ def lookup(name: str) -> Entry | None:
             name.split("/")[1].lower(), name, "", 0, (), 0, 0, 0, "?", 0.0, "?", "unregistered target"
         )
     return None
-
-
-def _fixture(repo_id: str) -> Path | None:
-    root = os.environ.get(FIXTURE_ENV)
-    if not root:
-        return None
-    path = Path(root) / repo_id.replace("/", "--") / "config.json"
-    return path if path.is_file() else None
-
-
-def fetch_json(repo_id: str, filename: str, *, offline: bool) -> dict[str, Any] | None:
-    """A small JSON file of an HF repo: fixtures, then the local HF cache, then a download."""
-    fixture = _fixture(repo_id)
-    if fixture is not None:
-        path = fixture.parent / filename
-        return json.loads(path.read_text()) if path.is_file() else None
-    try:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    except ImportError as exc:  # pragma: no cover - huggingface_hub comes with transformers
-        raise EnvironmentMissing("huggingface_hub is needed to resolve Hugging Face ids") from exc
-    cached = try_to_load_from_cache(repo_id, filename)
-    if isinstance(cached, str):
-        return json.loads(Path(cached).read_text())
-    if offline:
-        return None
-    try:
-        return json.loads(Path(hf_hub_download(repo_id, filename)).read_text())
-    except Exception as exc:
-        name = type(exc).__name__
-        if "EntryNotFound" in name or "404" in str(exc):
-            return None
-        raise EnvironmentMissing(
-            f"cannot download {repo_id}/{filename} ({name}: {str(exc).splitlines()[0][:160]})",
-            hint="check the network and HF_TOKEN, or use --offline with a pre-filled cache "
-            f"or ${FIXTURE_ENV}",
-        ) from exc
-
-
-def fetch_config(repo_id: str, *, offline: bool, what: str):
-    from dflash_trt.builder.resolve import ModelSource
-
-    cfg = fetch_json(repo_id, "config.json", offline=offline)
-    if cfg is None:
-        if offline:
-            raise UsageError(
-                f"{what} {repo_id}: config.json is not in the local cache and --offline forbids downloading",
-                hint=f"drop --offline, or put it in ${FIXTURE_ENV}/{repo_id.replace('/', '--')}/config.json",
-            )
-        raise UsageError(f"{what} {repo_id} has no config.json", hint="check the Hugging Face id")
-    index = fetch_json(repo_id, "model.safetensors.index.json", offline=offline)
-    extra = {}
-    if index and isinstance(index.get("metadata"), dict) and index["metadata"].get("total_size"):
-        extra["weights_bytes"] = int(index["metadata"]["total_size"])
-    return ModelSource(kind="hf", ref=repo_id, config=cfg, hf_id=repo_id, extra=extra)

@@ -16,10 +16,7 @@ from typing import Any
 from dflash_trt.builder.gpus import GpuProfile
 from dflash_trt.builder.llm_api import validate_llm_api
 from dflash_trt.builder.plan import CHECKPOINTS, MODEL_NAME, BuildPlan, BuildRequest, bundle_name
-from dflash_trt.builder.planner import (
-    MEMORY_UTILISATION,
-    TRTLLM_IMAGE,
-    TRTLLM_MIN_VERSION,
+from dflash_trt.builder.shapes import (
     bytes_per_param,
     common_sections,
     estimate_params,
@@ -29,9 +26,13 @@ from dflash_trt.builder.planner import (
     triton_config,
     weights_native_format,
 )
-from dflash_trt.builder.resolve import ResolvedPair
-from dflash_trt.errors import UsageError
+from dflash_trt.builder.source import ResolvedPair
 from dflash_trt.models.dflash_config import DFlashConfig
+from dflash_trt.errors import UsageError
+
+TRTLLM_MIN_VERSION = "1.3.0rc (first release with DFlash, TensorRT-LLM PR #12794)"
+TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3"
+MEMORY_UTILISATION = 0.9  # fraction of HBM a deployment may plan for
 
 # ModelOpt 0.47 recipes and the TensorRT-LLM quant algo they produce.
 RECIPES = {
@@ -58,11 +59,7 @@ def choose_quant(req: BuildRequest, profile: GpuProfile, native: str, family: st
                 "the memory and no accuracy gain",
                 hint="keep the default (native MXFP4, with --kv-cache-dtype fp8), or --quant nvfp4 on Blackwell",
             )
-        if not profile.nvfp4:
-            raise UsageError(
-                f"--quant nvfp4 on --gpu {profile.name} (sm{profile.sm}): NVFP4 W4A4 needs Blackwell (sm100+)",
-                hint="keep native MXFP4 on Hopper (W4A16 with the TRITON MoE backend)",
-            )
+        _check_support("nvfp4", profile)
         return "nvfp4", "mxfp4-cast"
     if native in ("fp8", "nvfp4"):
         if q not in ("auto", "none", native):
@@ -81,12 +78,21 @@ def choose_quant(req: BuildRequest, profile: GpuProfile, native: str, family: st
     return q, "modelopt"
 
 
+def check_requested_quant(req: BuildRequest, profile: GpuProfile) -> None:
+    """What the GPU profile alone rules out, whatever the checkpoint: run before any config is read."""
+    if req.quant in ("fp8", "nvfp4"):
+        _check_support(req.quant, profile)
+    if req.kv_cache_dtype == "fp8" and not profile.fp8:
+        raise UsageError(f"--kv-cache-dtype fp8 on --gpu {profile.name}: needs sm89+", hint="use auto")
+
+
 def _check_support(fmt: str, profile: GpuProfile) -> None:
     if fmt == "nvfp4" and not profile.nvfp4:
         raise UsageError(
-            f"--quant nvfp4 on --gpu {profile.name} (sm{profile.sm}): NVFP4 W4A4 runs only on Blackwell "
+            f"--quant nvfp4 on --gpu {profile.name} (sm{profile.sm}): NVFP4 W4A4 needs Blackwell "
             "(sm100/103/120)",
-            hint="use --quant fp8 on Hopper, or --gpu b200/b300/gb200/gb300",
+            hint="use --quant auto (FP8 on Hopper, native MXFP4 for gpt-oss) or --quant fp8, or --gpu "
+            "b200/b300/gb200/gb300",
         )
     if fmt == "fp8" and not profile.fp8:
         raise UsageError(
@@ -214,8 +220,6 @@ def plan_trtllm(
         kv_dtype = (
             profile.kv_cache_dtype if family == "gpt_oss" else ("fp8" if fmt in ("fp8", "nvfp4") else "auto")
         )
-    if kv_dtype == "fp8" and not profile.fp8:
-        raise UsageError(f"--kv-cache-dtype fp8 on --gpu {profile.name}: needs sm89+", hint="use auto")
     tp = check_parallelism(req, cfg, profile)
     gpus = tp
     if detected_count is not None and gpus > detected_count:

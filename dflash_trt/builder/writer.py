@@ -55,21 +55,51 @@ def link_or_copy_tree(src: Path, dest: Path) -> int:
     return n
 
 
-def materialise(ref: str, *, offline: bool) -> Path:
-    """A local directory for `ref`: itself, or a Hugging Face snapshot download (with progress)."""
+def materialise(ref: str, *, offline: bool, hub_down: str | None = None) -> Path:
+    """A local directory for `ref`: itself, its Hugging Face cache snapshot, or a download (with progress).
+
+    `offline` (--offline or HF_HUB_OFFLINE) never downloads; `hub_down` (the planner's network failure)
+    fails at once with that cause instead of waiting for huggingface_hub's retries.
+    """
     p = Path(ref)
     if p.is_dir():
         return p
     from huggingface_hub import snapshot_download
 
+    from dflash_trt.builder import hub
+
+    patterns = list(CHECKPOINT_PATTERNS)
+    no_network = "--offline" if offline else "HF_HUB_OFFLINE=1" if hub.env_offline() else None
+    if no_network or hub_down:
+        try:
+            return Path(snapshot_download(ref, allow_patterns=patterns, local_files_only=True))
+        except Exception:
+            fix = (
+                f"fill the Hugging Face cache on a connected machine (hf download {ref}), use a Hub mirror "
+                "(HF_ENDPOINT), or pass a local checkpoint directory"
+            )
+            if no_network:
+                raise DFlashTrtError(
+                    f"the weights of {ref} are not in the Hugging Face cache and {no_network} forbids "
+                    "downloading",
+                    hint=fix,
+                ) from None
+            raise DFlashTrtError(f"cannot download the weights of {ref}: {hub_down}", hint=fix) from None
     _say(f"downloading {ref} (checkpoint files only)")
     try:
-        return Path(
-            snapshot_download(ref, allow_patterns=list(CHECKPOINT_PATTERNS), local_files_only=offline)
-        )
+        return Path(snapshot_download(ref, allow_patterns=patterns))
     except Exception as exc:
         raise DFlashTrtError(f"cannot fetch {ref}: {type(exc).__name__}: {str(exc)[:200]}",
                              hint="check the network and HF_TOKEN, or pass a local directory") from exc  # fmt: skip
+
+
+def _hub_down(plan: BuildPlan) -> str | None:
+    """The network failure the planner met (it then used shipped configs), if any."""
+    for source in plan.config_sources.values():
+        reason = str(source.get("reason") or "")
+        if source.get("source") == "shipped" and reason.startswith("cannot reach"):
+            return reason
+    return None
 
 
 def serve_script(plan: BuildPlan) -> str:
@@ -170,7 +200,9 @@ def write_bundle(
     with atomic_dir(output, overwrite=force) as tmp:
         for rel, src in plan.copies.items():
             progress(f"linking {src} -> {rel}")
-            link_or_copy_tree(materialise(src, offline=plan.request.offline), tmp / rel)
+            link_or_copy_tree(
+                materialise(src, offline=plan.request.offline, hub_down=_hub_down(plan)), tmp / rel
+            )
         qt = plan.quantization["target"]
         if qt["source"] == "modelopt":
             from dflash_trt.builder.quant import load_calibration, quantize_checkpoint
@@ -179,6 +211,7 @@ def write_bundle(
             src_dir = materialise(
                 (plan.target["kind"] == "hf" and plan.target["hf_id"]) or plan.target["path"],
                 offline=plan.request.offline,
+                hub_down=_hub_down(plan),
             )
             texts = load_calibration(plan.request.calib_data, plan.request.calib_samples)
             progress(
@@ -210,7 +243,9 @@ def write_bundle(
             rel = plan.drafter["ref"]
             assert plan.drafter.get("path") or plan.drafter.get("hf_id")
             drafter_dir = materialise(
-                plan.drafter.get("path") or plan.drafter["hf_id"], offline=plan.request.offline
+                plan.drafter.get("path") or plan.drafter["hf_id"],
+                offline=plan.request.offline,
+                hub_down=_hub_down(plan),
             )
             progress(f"quantizing the drafter to FP8 (weight-only) -> {rel}")
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)

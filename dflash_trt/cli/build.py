@@ -83,14 +83,19 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     "--output", "-o", type=click.Path(file_okay=False, path_type=Path), help="Bundle directory to write."
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Resolve and validate only (configs are downloaded, weights never)."
+    "--dry-run",
+    is_flag=True,
+    help="Resolve and validate only (configs are read or downloaded, weights never).",
 )
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the plan (or the written manifest) as one JSON object."
 )
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --output.")
 @click.option(
-    "--offline", is_flag=True, help="Never download; use local directories and the Hugging Face cache."
+    "--offline",
+    is_flag=True,
+    help="Never contact the Hub (also HF_HUB_OFFLINE=1): configs come from $DFLASH_TRT_CONFIG_DIR, the "
+    "Hugging Face cache, or the copies shipped with dflash-trt.",
 )
 def build(**kw) -> None:
     """Build a deployment bundle: validated TensorRT-LLM DFlash config, checkpoints, Triton
@@ -98,6 +103,9 @@ def build(**kw) -> None:
 
     TensorRT-LLM runs DFlash in its PyTorch backend from checkpoints plus an LLM-API config
     (DFlashDecodingConfig); there is no TensorRT engine to compile, so none is produced.
+
+    Hub access: HF_ENDPOINT names a mirror, HF_TOKEN authenticates for gated repos. Without a
+    route to the Hub, registered pairs plan from the configs shipped with dflash-trt.
 
     \b
     Examples:
@@ -111,7 +119,7 @@ def build(**kw) -> None:
     output, dry, as_json, force = kw.pop("output"), kw.pop("dry_run"), kw.pop("as_json"), kw.pop("force")
     req = BuildRequest(**kw)
     plan = make_plan(req)
-    for w in plan.warnings:
+    for w in [*plan.notices, *plan.warnings]:
         click.echo(f"warning: {w}", err=True)
     if dry:
         data = plan.to_json()
@@ -141,6 +149,11 @@ def _print_plan(data: dict) -> None:
     mem = data["validation"].get("memory")
     if mem:
         click.echo(f"memory:   {mem['per_gpu_gb']} GB per GPU of {mem['budget_per_gpu_gb']} GB usable")
+    sources = data.get("config_sources") or {}
+    if sources:
+        click.echo(
+            "configs:  " + ", ".join(f"{role} from {src.get('source')}" for role, src in sources.items())
+        )
     click.echo(f"llm_api:  {json.dumps(data['llm_api'])}")
     click.echo("files:    " + ", ".join(data["will_write"]))
     for n in data["notes"]:
@@ -151,14 +164,24 @@ def _print_plan(data: dict) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def models(as_json: bool) -> None:
     """List the published z-lab DFlash drafters and their targets (short names for --target)."""
+    from dflash_trt.builder.configs import shipped_index
     from dflash_trt.builder.registry import ENTRIES
 
+    shipped = shipped_index()
+
+    def offline(e) -> bool:
+        return e.target_id in shipped and e.drafter_id in shipped
+
     if as_json:
-        sys.stdout.write(json.dumps([e.to_dict() for e in ENTRIES], indent=2) + "\n")
+        rows = [{**e.to_dict(), "shipped_configs": offline(e)} for e in ENTRIES]
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     click.echo(f"{'name':<20} {'target':<34} {'drafter':<44} {'B':>3} {'L':>2} {'GiB':>5}  attention")
     for e in ENTRIES:
-        mark = "" if e.verified_ids else " *"
+        mark = ("" if e.verified_ids else " *") + (" (offline)" if offline(e) else "")
         click.echo(f"{e.name:<20} {e.target_id:<34} {e.drafter_id:<44} {e.block_size:>3} {e.draft_layers:>2} "
                    f"{e.drafter_gib:>5.2f}  {e.attention}{mark}")  # fmt: skip
-    click.echo("* target id inferred from the drafter's name (unverified); plus `tiny`, the embedded pair")
+    click.echo(
+        "* target id inferred from the drafter's name (unverified); (offline): configs shipped with "
+        "dflash-trt, plans without the Hub; plus `tiny`, the embedded pair"
+    )

@@ -58,6 +58,7 @@ DEFAULT_KUBE_VERSIONS = ("1.29.0", "1.33.0")
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.json",
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset-leaderworkerset-v1.json",
 }
 K8S_DEFINITIONS_ID = "https://kubernetes.io/api/_definitions.json"

@@ -44,8 +44,11 @@ def run(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def stable(plan: dict) -> dict:
+    """The plan without provenance: package versions and which copy of the configs was read (the
+    same plan comes from the shipped copies, the Hub or $DFLASH_TRT_CONFIG_DIR: test_offline.py)."""
     plan = json.loads(json.dumps(plan))
     plan.pop("versions", None)
+    plan.pop("config_sources", None)
     return plan
 
 
@@ -53,7 +56,12 @@ def stable(plan: dict) -> dict:
 def test_golden_plans(name, capsys, update_goldens):
     code, out, err = run(["build", *PLANS[name], "--dry-run", "--json"], capsys)
     assert code == 0, err
-    plan = stable(json.loads(out))
+    raw = json.loads(out)
+    for role in ("target", "drafter"):
+        source = raw["config_sources"][role]
+        assert source["source"] == "config-dir" and source["path"].startswith(str(FIXTURES)), source
+        assert source["matches_shipped"] is True, source
+    plan = stable(raw)
     path = GOLDEN / f"{name}.json"
     if update_goldens:
         path.parent.mkdir(exist_ok=True)
@@ -92,7 +100,7 @@ def test_gpt_oss_120b_profiles(capsys):
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["--target", "qwen3-8b", "--gpu", "h100", "--quant", "nvfp4"], r"NVFP4 W4A4 runs only on Blackwell"),
+        (["--target", "qwen3-8b", "--gpu", "h100", "--quant", "nvfp4"], r"NVFP4 W4A4 needs Blackwell"),
         (
             ["--target", "gpt-oss-120b", "--gpu", "h200", "--tp", "8", "--quant", "nvfp4"],
             r"NVFP4 W4A4 needs Blackwell",
@@ -144,7 +152,7 @@ def test_gpt_oss_120b_profiles(capsys):
         ),
         (
             ["--target", "mistralai/Unknown-Model", "--offline"],
-            r"config.json is not in the local cache and --offline",
+            r"config.json is not in the local cache .* nor shipped with dflash-trt, and --offline forbids downloading",
         ),
         (["--target", "qwen3-8b", "--gpu", "h100"], r"--output is required"),
     ],
@@ -253,8 +261,11 @@ def test_models_command(capsys):
     assert "kimi-k2.5" in names
     gpt = next(r for r in rows if r["name"] == "gpt-oss-120b")
     assert gpt["drafter_id"] == "z-lab/gpt-oss-120b-DFlash" and gpt["block_size"] == 10
+    offline = {r["name"] for r in rows if r["shipped_configs"]}
+    assert offline == {"gpt-oss-120b", "qwen3-8b", "llama-3.1-8b"}
     code, out, _ = run(["models"], capsys)
     assert code == 0 and "gpt-oss-120b" in out and "z-lab/Qwen3-8B-DFlash-b16" in out
+    assert sum(line.endswith("(offline)") for line in out.splitlines()) == 3
 
 
 def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, capsys):

@@ -16,8 +16,15 @@ HERE = Path(__file__).resolve().parent
 GOLDEN_DIR = HERE / "golden"
 MANIFEST_DIR = HERE / "fixtures" / "manifests"
 
-# The three value sets the issue asks for, in helm/dflash-trt/ci/.
-VALUE_SETS = ("tiny-cpu", "gpt-oss-120b-8gpu", "gpt-oss-120b-multinode")
+# The value sets in helm/dflash-trt/ci/: the three serving layouts, and the two on-cluster builds
+# (one with the Grafana dashboard and the PrometheusRule).
+VALUE_SETS = (
+    "tiny-cpu",
+    "gpt-oss-120b-8gpu",
+    "gpt-oss-120b-multinode",
+    "qwen3-8b-fp8-build",
+    "llama-3.1-8b-nvfp4-build",
+)
 MANIFESTS = tuple(sorted(p.stem for p in MANIFEST_DIR.glob("*.json")))
 # Oldest and newest supported Kubernetes minors.
 KUBE_VERSIONS = ("1.29.0", "1.33.0")

@@ -66,7 +66,7 @@ app.kubernetes.io/part-of: dflash-trt
 {{- end -}}
 
 {{- define "dflash-trt.repositoryPath" -}}
-{{- printf "%s/%s" (trimSuffix "/" .Values.bundle.mountPath) .Values.bundle.repositorySubPath -}}
+{{- printf "%s/%s" (include "dflash-trt.bundlePath" .) .Values.bundle.repositorySubPath -}}
 {{- end -}}
 
 {{- define "dflash-trt.hfHome" -}}

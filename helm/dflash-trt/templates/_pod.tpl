@@ -61,8 +61,12 @@ spec:
   topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- if $v.modelInit.enabled }}
+  {{- if or $v.modelInit.enabled $v.buildJob.enabled }}
   initContainers:
+  {{- if $v.buildJob.enabled }}
+    {{- include "dflash-trt.waitForBundle" $root | nindent 4 }}
+  {{- end }}
+  {{- if $v.modelInit.enabled }}
     - name: model-init
       {{- if $v.modelInit.image.repository }}
       image: {{ include "dflash-trt.image" (dict "repository" $v.modelInit.image.repository "tag" ($v.modelInit.image.tag | default $v.image.tag) "digest" "") }}
@@ -126,6 +130,7 @@ spec:
           {{- with $v.storage.subPath }}
           subPath: {{ . }}
           {{- end }}
+  {{- end }}
   {{- end }}
   containers:
     - name: {{ ternary "worker" "triton" (eq $role "worker") }}

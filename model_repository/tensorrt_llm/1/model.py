@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +246,31 @@ class TritonPythonModel:
         self.m_round = self.fam_round.Metric(
             labels=labels, buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
         )
+        # Latencies as clients see them, measured here: Triton's own first-response histogram is not
+        # in every Triton build (2.51 lacks it) and Triton has no inter-token metric.
+        self.fam_ttft = mf(
+            name="dflash_time_to_first_token_seconds",
+            description="Time from the request reaching the model to its first generated token",
+            kind=mf.HISTOGRAM,
+        )
+        self.m_ttft = self.fam_ttft.Metric(
+            labels=labels, buckets=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+        )
+        self.fam_itl = mf(
+            name="dflash_inter_token_latency_seconds",
+            description="Mean time per token after the first, per output step (DFlash emits several per round)",
+            kind=mf.HISTOGRAM,
+        )
+        self.m_itl = self.fam_itl.Metric(
+            labels=labels, buckets=[0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0]
+        )
+        self.fam_drafter = mf(
+            name="dflash_drafter_enabled",
+            description="1 when the model serves with a DFlash drafter (speculative_config), 0 without",
+            kind=mf.GAUGE,
+        )
+        self.m_drafter = self.fam_drafter.Metric(labels=labels)
+        self.m_drafter.set(1.0 if self.block_size > 1 else 0.0)
 
     async def _poll_engine_stats(self) -> None:
         while True:
@@ -338,6 +364,7 @@ class TritonPythonModel:
         return prompt, sampling, streaming, want_metrics, flags
 
     async def _serve(self, request) -> None:
+        started = time.monotonic()
         sender = request.get_response_sender()
         rid = request.request_id()
         handle = None
@@ -364,12 +391,15 @@ class TritonPythonModel:
                 self.m_active.set(float(self._active))
             watcher = asyncio.ensure_future(self._watch_cancel(request, handle))
             seen = (0, 0)  # rounds and tokens already counted in the metrics
+            last_token_at = None  # monotonic time of the latest new token (latency metrics)
             cancelled = False
             try:
                 async for output in handle:
                     comp = output.outputs[0]
                     skip = len(output.prompt_token_ids or []) if flags.get("include_input") else 0
+                    tokens_before = seen[1]
                     seen = self._observe(comp, seen, final=bool(output.finished), skip=skip)
+                    last_token_at = self._observe_latency(started, last_token_at, seen[1] - tokens_before)
                     if not output.finished:
                         # Never ask about cancellation after the final response: the response factory
                         # is gone by then (Triton 2.51 crashes in TRITONBACKEND_ResponseFactoryIsCancelled).
@@ -453,6 +483,17 @@ class TritonPythonModel:
             self.m_drafted.increment(float(spec.total_draft_tokens or 0))
             self.m_accepted.increment(float(spec.total_accepted_draft_tokens or 0))
         return seen_rounds, seen_tokens
+
+    def _observe_latency(self, started: float, last: float | None, new_tokens: int) -> float | None:
+        """TTFT on the first new token, then the mean gap per token of each later step."""
+        if new_tokens <= 0:
+            return last
+        now = time.monotonic()
+        if last is None:
+            self.m_ttft.observe(now - started)
+        else:
+            self.m_itl.observe((now - last) / new_tokens)
+        return now
 
     def _response(self, output: Any, comp: Any, flags: dict[str, bool], want_metrics: bool):
         text = comp.text_diff if flags.get("streaming_delta") else comp.text
