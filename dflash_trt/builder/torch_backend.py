@@ -15,8 +15,8 @@ from dflash_trt.builder.shapes import (
     triton_config,
 )
 from dflash_trt.builder.source import ResolvedPair
-from dflash_trt.models.dflash_config import DFlashConfig
 from dflash_trt.errors import ConfigError
+from dflash_trt.models.dflash_config import DFlashConfig
 
 
 def plan_torch(

@@ -27,8 +27,8 @@ from dflash_trt.builder.shapes import (
     weights_native_format,
 )
 from dflash_trt.builder.source import ResolvedPair
-from dflash_trt.models.dflash_config import DFlashConfig
 from dflash_trt.errors import UsageError
+from dflash_trt.models.dflash_config import DFlashConfig
 
 TRTLLM_MIN_VERSION = "1.3.0rc (first release with DFlash, TensorRT-LLM PR #12794)"
 TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3"

@@ -162,7 +162,10 @@ def test_metrics_endpoint_exposes_dflash_metrics(server):
         ({"text_input": "x", "sampling_param_max_tokens": 99999}, "exceeds max_seq_len=2048"),
         ({"text_input": "x", "sampling_param_max_tokens": 4, "foo": 1}, "unknown parameter 'foo'"),
         ({"text_input": "x", "sampling_param_top_p": 1.5}, r"top_p=1.5"),
-        ({"text_input": "x", "sampling_param_temperature": -1.0}, "temperature=-1.0: must be a finite number >= 0"),
+        (
+            {"text_input": "x", "sampling_param_temperature": -1.0},
+            "temperature=-1.0: must be a finite number >= 0",
+        ),
         ({"text_input": "", "sampling_param_max_tokens": 4}, "text_input is empty"),
         (
             {"text_input": "x", "return_cumulative_logprob": True},
