@@ -8,7 +8,8 @@ import torch
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from dflash_trt.layers.rope import RotaryEmbedding, compute_inv_freq, parse_rope
+from dflash_trt.layers.rope import RotaryEmbedding, compute_inv_freq
+from dflash_trt.layers.rope_config import parse_rope
 
 CASES = {
     "default": {"rope_theta": 1e6},

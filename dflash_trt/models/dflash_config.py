@@ -17,7 +17,7 @@ from dflash_trt.errors import CheckpointError, ConfigError, IncompatiblePairErro
 from dflash_trt.models.features import build_target_layer_ids
 
 if TYPE_CHECKING:
-    from dflash_trt.layers.rope import RopeConfig
+    from dflash_trt.layers.rope_config import RopeConfig
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     checkpoints lack it; resolve `<|MASK|>` through the target tokenizer and pass it here).
     The fields are read in a fixed order, so a config with several faults reports the same first one.
     """
-    from dflash_trt.layers.rope import parse_rope
+    from dflash_trt.layers.rope_config import parse_rope
 
     cfg = dict(hf_config)
     nested = _check_format(cfg)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_trt.errors import ConfigError
-from dflash_trt.layers.rope import RopeConfig, parse_rope
+from dflash_trt.layers.rope_config import RopeConfig, parse_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_oss")
 
