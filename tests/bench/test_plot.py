@@ -112,4 +112,4 @@ def test_title_names_every_protocol_of_the_runs(tmp_path: Path, monkeypatch: pyt
     # one protocol: named once, legend unchanged
     plot_runs([("a", DFLASH), ("b", AR)], tmp_path / "one.png")
     assert "protocol triton-grpc, 1 GPU(s)" in titles[-1]
-    assert legends[-1] == ["a", "b"]
+    assert legends[-1] == ["DFlash", "AR"]
