@@ -144,7 +144,9 @@ def _timed_rounds(llm: Any, prompts: list[list[int]], max_tokens: int, device: s
         runner.decode_round = real
     full = [t * 1e3 for n, t in log if n == len(prompts)]
     acc = [
-        a for o in outs for a in (o.outputs[0].request_perf_metrics.speculative_decoding.acceptance_lengths or [])
+        a
+        for o in outs
+        for a in (o.outputs[0].request_perf_metrics.speculative_decoding.acceptance_lengths or [])
     ]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {

@@ -67,7 +67,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     except json.JSONDecodeError as exc:
         p.error(f"--engine-kwargs {args.engine_kwargs!r} is not JSON ({exc}); pass an object, e.g. '{{}}'")
     if not isinstance(kwargs, dict):
-        p.error(f"--engine-kwargs {args.engine_kwargs!r} is not a JSON object; pass e.g. '{{\"compile\": true}}'")
+        p.error(
+            f"--engine-kwargs {args.engine_kwargs!r} is not a JSON object; pass e.g. '{{\"compile\": true}}'"
+        )
     args.engine_kwargs = kwargs
     for name in ("prompts", "max_new_tokens", "threads", "warmup_tokens"):
         if getattr(args, name) < 1:

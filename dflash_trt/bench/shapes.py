@@ -257,14 +257,17 @@ def write_pair(
         directory.mkdir(parents=True, exist_ok=True)
         cfg = {**cfg, "dtype": dtype}
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        spec = {"part": part, "seed": seed + (0 if part == "target" else 1), "std": std, "dtype": dtype}
+        part_seed = seed + (0 if part == "target" else 1)
+        spec: dict[str, Any] = {"part": part, "seed": part_seed, "std": std, "dtype": dtype}
         if weights == "files":
             from safetensors.torch import save_file
 
-            state = random_state(metas[part], device="cpu", dtype=torch_dtype, seed=spec["seed"], std=std)
+            state = random_state(metas[part], device="cpu", dtype=torch_dtype, seed=part_seed, std=std)
             save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         else:
-            (directory / MARKER).write_text(json.dumps({**spec, "device": device, "shape": shape.name}) + "\n")
+            (directory / MARKER).write_text(
+                json.dumps({**spec, "device": device, "shape": shape.name}) + "\n"
+            )
     (tdir / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}) + "\n")
     build_byte_tokenizer().save_pretrained(tdir)
     return tdir, ddir
@@ -295,9 +298,9 @@ def random_weights_on_load() -> Iterator[None]:
         )
 
     saved = (checkpoint.read_safetensors, loader.read_safetensors)
-    checkpoint.read_safetensors = read  # type: ignore[assignment]
-    loader.read_safetensors = read  # type: ignore[assignment]
+    checkpoint.read_safetensors = read
+    loader.read_safetensors = read
     try:
         yield
     finally:
-        checkpoint.read_safetensors, loader.read_safetensors = saved  # type: ignore[assignment]
+        checkpoint.read_safetensors, loader.read_safetensors = saved

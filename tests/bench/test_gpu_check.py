@@ -18,7 +18,11 @@ BENCH = REPO / "bench"
 
 def _py(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, cwd=REPO, timeout=timeout
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
     )
 
 
@@ -49,7 +53,10 @@ def _check_env(tmp_path: Path) -> dict[str, str]:
 
 def test_unknown_part_is_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run(
-        ["bash", str(BENCH / "gpu_check.sh"), "bogus"], capture_output=True, text=True, env=_check_env(tmp_path)
+        ["bash", str(BENCH / "gpu_check.sh"), "bogus"],
+        capture_output=True,
+        text=True,
+        env=_check_env(tmp_path),
     )
     assert proc.returncode == 2 and "unknown part 'bogus'" in proc.stderr
 

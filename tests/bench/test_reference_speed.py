@@ -31,7 +31,9 @@ def test_tiny_one_prompt_identical_with_full_configuration(tmp_path: Path) -> No
     assert cfg["shape"] == "tiny" and cfg["device"] == "cpu" and cfg["dtype"] == "float32"
     assert cfg["prompts"] == 1 and cfg["max_new_tokens"] == 16 and cfg["block_size"] == 16
     assert cfg["torch_threads"] == 1 and cfg["engine_threads"] == 1
-    assert cfg["versions"]["dflash"] == "0.1.0" and cfg["versions"]["torch"] and cfg["versions"]["transformers"]
+    assert (
+        cfg["versions"]["dflash"] == "0.1.0" and cfg["versions"]["torch"] and cfg["versions"]["transformers"]
+    )
     assert cfg["machine"]["cpu_count"] >= 1 and cfg["date"].startswith("20")
     assert r["identical"] is True and r["mismatched_prompts"] == []
     [row] = r["per_prompt"]
