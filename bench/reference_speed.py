@@ -105,7 +105,11 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def _machine(device: str) -> dict[str, Any]:
+def _loadavg() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _machine(device: str, load_at_start: list[float] | None) -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -121,7 +125,8 @@ def _machine(device: str) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
-        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "loadavg_at_start": load_at_start,
+        "loadavg_at_end": _loadavg(),
     }
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
@@ -165,6 +170,7 @@ def _reference_models(tdir: Path, ddir: Path, device: str, dtype: Any):
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_at_start = _loadavg()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -276,8 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "mean_tau": sum(taus) / len(taus) if taus else None,
         }
 
-    machine = _machine(args.device)
-    machine["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine = _machine(args.device, load_at_start)
     config = {
         "shape": args.shape,
         **weights,
