@@ -60,17 +60,42 @@ def _xy(points: Sequence[dict[str, Any]], x: str, y: str) -> list[tuple[float, f
     return out
 
 
+def _distinct(values: Sequence[str]) -> list[str]:
+    """The values in first-seen order, each once."""
+    return list(dict.fromkeys(values))
+
+
+def _workload_text(s: dict[str, Any]) -> str | None:
+    w = s.get("workload") or {}
+    if w.get("kind") == "synthetic":
+        return f"synthetic ISL {w.get('isl')} / OSL {w.get('osl')}"
+    if w.get("dataset"):
+        return f"dataset {Path(str(w['dataset'])).name}"
+    return None
+
+
+def run_protocols(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Every protocol the runs used, in run order, each once."""
+    return _distinct([str((s.get("config") or {}).get("protocol")) for _, s in runs])
+
+
+def legend_labels(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Run labels; with several protocols each label also names its run's protocol."""
+    if len(run_protocols(runs)) <= 1:
+        return [label for label, _ in runs]
+    return [f"{label} ({(s.get('config') or {}).get('protocol')})" for label, s in runs]
+
+
 def _subtitle(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    parts = []
-    for _, s in runs[:1]:
-        w = s.get("workload") or {}
-        cfg = s.get("config") or {}
-        if w.get("kind") == "synthetic":
-            parts.append(f"synthetic ISL {w.get('isl')} / OSL {w.get('osl')}")
-        elif w.get("dataset"):
-            parts.append(f"dataset {Path(str(w['dataset'])).name}")
-        parts.append(f"protocol {cfg.get('protocol')}")
-        parts.append(f"{cfg.get('num_gpus', 1)} GPU(s)")
+    """What the runs share, over all of them: workloads, protocols and GPU counts (each listed once,
+    so runs over different protocols are never drawn under one protocol's name)."""
+    if not runs:
+        return ""
+    parts = _distinct([t for _, s in runs if (t := _workload_text(s)) is not None])
+    protocols = run_protocols(runs)
+    parts.append(("protocol " if len(protocols) == 1 else "protocols ") + ", ".join(protocols))
+    gpus = _distinct([str((s.get("config") or {}).get("num_gpus", 1)) for _, s in runs])
+    parts.append(f"{'/'.join(gpus)} GPU(s)")
     return ", ".join(parts)
 
 
@@ -93,7 +118,7 @@ def plot_png(
         ) from exc
 
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
-    for i, (label, s) in enumerate(runs):
+    for i, (label, (_, s)) in enumerate(zip(legend_labels(runs), runs)):
         color = PALETTE[i % len(PALETTE)]
         pts = _xy(s.get("points", []), x, y)
         if pts:
@@ -207,7 +232,7 @@ def render_svg(
         f'<text x="18" y="{(top + H - bottom) / 2}" text-anchor="middle" transform="rotate(-90 18 {(top + H - bottom) / 2})">'
         f"{e(Y_AXES.get(y, y))}</text>"
     )
-    for i, (label, s) in enumerate(runs):
+    for i, (label, (_, s)) in enumerate(zip(legend_labels(runs), runs)):
         color = PALETTE[i % len(PALETTE)]
         for fx, fy, p in _xy(s.get("points", []), x, y):
             parts.append(

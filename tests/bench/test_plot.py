@@ -77,3 +77,39 @@ def test_other_axes_log_scale_and_errors(tmp_path: Path) -> None:
 def test_nice_ticks() -> None:
     assert nice_ticks(0, 1000) == [0, 200, 400, 600, 800, 1000]
     assert nice_ticks(0, 0.9) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+
+
+def _with_protocol(summary: dict, label: str, protocol: str) -> dict:
+    return {**summary, "label": label, "config": {**summary["config"], "protocol": protocol}}
+
+
+def test_title_names_every_protocol_of_the_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM OpenAI run next to a Triton gRPC run is not drawn under "protocol triton-grpc"."""
+    import matplotlib.axes
+
+    runs = [("DFlash", DFLASH), ("vLLM", _with_protocol(AR, "vLLM", "openai"))]
+    titles: list[str] = []
+    legends: list[list[str]] = []
+    real_title, real_legend = matplotlib.axes.Axes.set_title, matplotlib.axes.Axes.legend
+
+    def set_title(ax, text, *a, **kw):
+        titles.append(text)
+        return real_title(ax, text, *a, **kw)
+
+    def legend(ax, *a, **kw):
+        out = real_legend(ax, *a, **kw)
+        legends.append([t.get_text() for t in out.get_texts()])
+        return out
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", set_title)
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", legend)
+    plot_runs(runs, tmp_path / "pareto.png")
+    assert "protocols triton-grpc, openai" in titles[0]
+    assert "protocol triton-grpc," not in titles[0]
+    assert legends == [["DFlash (triton-grpc)", "vLLM (openai)"]]
+    html = render_html(runs)
+    assert "protocols triton-grpc, openai" in html and ">vLLM (openai)</text>" in html
+    # one protocol: named once, legend unchanged
+    plot_runs([("a", DFLASH), ("b", AR)], tmp_path / "one.png")
+    assert "protocol triton-grpc, 1 GPU(s)" in titles[-1]
+    assert legends[-1] == ["DFlash", "AR"]
