@@ -226,7 +226,10 @@ class DFlashDrafter(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., D] -> logits [..., V] through the target's LM head."""
         assert self._head_weight is not None, "call bind_target() first"
-        logits = F.linear(hidden.to(self._head_weight.dtype), self._head_weight, self._head_bias)
+        # As one 2-D matmul: a strided 3-D input (e.g. hidden[:, 1:]) makes F.linear on CPU fall back to
+        # a bmm that first copies the whole [V, D] head per batch (seconds per round in bf16 at 150k vocab).
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self._head_weight.dtype)
+        logits = F.linear(flat, self._head_weight, self._head_bias).view(*hidden.shape[:-1], -1)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
