@@ -521,7 +521,7 @@ class LLM:
 
     # --- internals -----------------------------------------------------------------------------------
     def engine_validate(self, ids: list[int], params: Any) -> None:
-        from dflash_trt.engine.engine import PAGE_SIZE
+        from dflash_trt.engine.engine import PAGE_SIZE, check_stop_token_ids
 
         eng = self.engine
         cfg = self.engine_config
@@ -551,6 +551,7 @@ class LLM:
             raise RequestError(
                 "stop strings need a tokenizer, and this model has none", hint="use stop_token_ids"
             )
+        check_stop_token_ids(params.stop_token_ids, eng.vocab_size)
 
     def _resolve(self, sp: SamplingParams):
         from dflash_trt.engine.engine import RequestParams

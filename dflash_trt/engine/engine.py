@@ -245,6 +245,7 @@ class LLMEngine:
             raise RequestError(exc.message, hint=exc.hint) from None
         if params.min_tokens < 0:
             raise RequestError(f"min_tokens={params.min_tokens} must be >= 0")
+        check_stop_token_ids(params.stop_token_ids, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 "stop strings need a tokenizer, and this model has none", hint="use stop_token_ids"
@@ -463,6 +464,14 @@ class LLMEngine:
             "accept_s": t.accept_s,
             "prefill_s": t.prefill_s,
         }
+
+
+def check_stop_token_ids(ids: list[int] | tuple[int, ...] | None, vocab_size: int) -> None:
+    """stop_token_ids must be token ids of this vocabulary (an id outside it can never stop anything)."""
+    bad = next((t for t in ids or () if not 0 <= int(t) < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"stop_token_ids contains {bad}: out of range for vocab_size={vocab_size}",
+                           hint=f"use ids in [0, {vocab_size})")  # fmt: skip
 
 
 def default_page_budget(max_batch_size: int, max_seq_len: int) -> int:
