@@ -468,9 +468,9 @@ class LLMEngine:
 
 def check_stop_token_ids(ids: list[int] | tuple[int, ...] | None, vocab_size: int) -> None:
     """stop_token_ids must be token ids of this vocabulary (an id outside it can never stop anything)."""
-    bad = next((t for t in ids or () if not 0 <= int(t) < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"stop_token_ids contains {bad}: out of range for vocab_size={vocab_size}",
+    bad = sorted({int(t) for t in ids or () if not 0 <= int(t) < vocab_size})
+    if bad:
+        raise RequestError(f"stop_token_ids={bad}: out of range for vocab_size={vocab_size}",
                            hint=f"use ids in [0, {vocab_size})")  # fmt: skip
 
 

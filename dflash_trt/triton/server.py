@@ -17,7 +17,9 @@ Supervision (what `dflash-trt serve` builds on):
 - `drain(budget)` ends a server gracefully: it writes `drain` into the control directory (the model
   then refuses new requests with 503 and ends what is left at the budget with an explicit error),
   unloads the models (readiness turns false at once; Triton finalizes a model when its last request
-  has ended), waits for the model's `finalized` marker, then stops the process. Unloading needs
+  has ended and no client stream holds it), waits for the model's `drained` or `finalized` marker,
+  then stops the process (SIGTERM; SIGKILL after the exit timeout, when an idle gRPC stream keeps
+  tritonserver from exiting: by then every request has ended explicitly). Unloading needs
   explicit model control, so a server with `control_dir` set runs with `--model-control-mode=explicit`
   and a model-repository API restricted by a random key only this object knows.
 """
@@ -161,7 +163,7 @@ class TritonServer:
         env = {**os.environ, **self.install.env, **self.extra_env}
         if self.control_dir is not None:
             Path(self.control_dir).mkdir(parents=True, exist_ok=True)
-            for name in ("drain", "finalized"):
+            for name in ("drain", "drained", "finalized"):
                 (Path(self.control_dir) / name).unlink(missing_ok=True)
             env["DFLASH_TRT_CONTROL_DIR"] = str(self.control_dir)
         self.proc = subprocess.Popen(
@@ -254,13 +256,15 @@ class TritonServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
 
-    def drain(self, budget: float, *, grace: float = 15.0) -> tuple[bool, float]:
-        """Drain, then stop (see the module docstring). Returns (finalized, seconds); `finalized` is
-        False when the model did not report back within budget + grace (the process is stopped anyway)."""
+    def drain(self, budget: float, *, grace: float = 15.0) -> tuple[str, float]:
+        """Drain, then stop (see the module docstring). Returns (outcome, seconds): outcome is
+        "finalized" (Triton unloaded the model), "drained" (the model ended every request and shut its
+        engine down, but Triton still held it: an open client stream) or "timeout" (the model did not
+        report back within budget + grace). The process is stopped in every case."""
         t0 = time.monotonic()
         if self.proc is None or self.proc.poll() is not None or self.control_dir is None:
             self.stop()
-            return False, time.monotonic() - t0
+            return "timeout", time.monotonic() - t0
         control = Path(self.control_dir)
         tmp = control / ".drain.tmp"
         tmp.write_text(f"{budget:g}\n")
@@ -270,13 +274,22 @@ class TritonServer:
                 self._admin(f"/v2/repository/models/{model}/unload")
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
                 self.logs.append(f"[dflash-trt] unload of {model} failed: {exc}")
-        done = control / "finalized"
+        finalized, drained = control / "finalized", control / "drained"
         deadline = t0 + budget + grace
-        while not done.exists() and time.monotonic() < deadline and self.proc.poll() is None:
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if finalized.exists():
+                break
+            if drained.exists():  # give Triton a moment to finalize (no client stream holds it)
+                settle = time.monotonic() + 1.0
+                while not finalized.exists() and time.monotonic() < settle:
+                    time.sleep(0.05)
+                break
             time.sleep(0.05)
-        finalized = done.exists()
-        self.stop()
-        return finalized, time.monotonic() - t0
+        outcome = "finalized" if finalized.exists() else "drained" if drained.exists() else "timeout"
+        # Nothing is in flight now: Triton's exit timeout only bounds its wait for idle connections.
+        # Past it (plus a little), what holds the process is an idle gRPC stream: kill it.
+        self.stop(timeout=self.exit_timeout + 3.0)
+        return outcome, time.monotonic() - t0
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM the process group, wait (default: Triton's exit timeout + 10 s), then SIGKILL what

@@ -23,7 +23,8 @@ serves every other request. Token-count and other semantic limits belong to the 
 Drain: with $DFLASH_TRT_CONTROL_DIR set, the file `drain` appearing there (its content: the drain
 budget in seconds) puts the model into draining: new requests get UNAVAILABLE (HTTP 503), in-flight
 requests run on until the budget is spent, and whatever is left then ends with an explicit UNAVAILABLE
-error. finalize() writes `finalized` there once the engine is shut down.
+error. Once nothing is in flight the model shuts its engine down and writes `drained` there;
+finalize() writes `finalized`.
 
 Streaming: like NVIDIA's model, each streamed response carries the *accumulated* text by default;
 a request that sets `streaming_delta: true` gets only the new text in each response instead.
@@ -548,7 +549,7 @@ class TritonPythonModel:
             f"{self.model_name}: draining: {n} requests in flight, budget {self.drain_budget:g} s; "
             "new requests get UNAVAILABLE"
         )
-        while time.monotonic() < self.drain_deadline:
+        while time.monotonic() < self.drain_deadline and self._in_flight():
             await asyncio.sleep(0.05)
         with self._lock:
             left = list(self._handles)
@@ -558,6 +559,19 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(
                 f"{self.model_name}: drain budget spent: aborted {len(left)} requests with an UNAVAILABLE error"
             )
+        give_up = time.monotonic() + 10.0  # aborted requests end within a step; never wait forever
+        while self._in_flight() and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        # Nothing is in flight and nothing new is admitted: shut the engine down now rather than in
+        # finalize(), which Triton calls only once every client stream holding the model has closed
+        # (an idle gRPC stream can hold it until the process is killed).
+        await self.loop.run_in_executor(None, self.llm.shutdown)
+        (self.control_dir / "drained").write_text(f"aborted={len(left)} in_flight={self._in_flight()}\n")
+        pb_utils.Logger.log_info(f"{self.model_name}: drained ({len(left)} aborted); engine shut down")
+
+    def _in_flight(self) -> int:
+        with self._lock:
+            return len(self._handles)
 
     def _abort_for_drain(self, handle: Any) -> None:
         with self._lock:
