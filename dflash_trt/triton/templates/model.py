@@ -220,7 +220,9 @@ class TritonPythonModel:
         self.block_size = int(spec.get("max_draft_len", 0) if isinstance(spec, dict) else 0) + 1
         self._inflight: dict[str, list[Any]] = {}
         self._handles: set[Any] = set()
-        self._engine_counts_active = False
+        # The embedded engine counts generating requests itself (its stats poll sets the gauge);
+        # otherwise the gauge counts requests in flight in this model.
+        self._engine_counts_active = self.engine_kind == "dflash_trt"
         self._active = 0
         self._lock = threading.Lock()
         self._setup_metrics()
@@ -322,7 +324,6 @@ class TritonPythonModel:
                 if isinstance(stats, dict) and "waiting" in stats:
                     self.m_queued.set(float(stats["waiting"]))
                     if "active" in stats:
-                        self._engine_counts_active = True
                         self.m_active.set(float(stats["active"]))
                     cap = float(stats.get("kv_capacity_tokens") or 0)
                     if cap:
