@@ -230,11 +230,16 @@ def test_huge_prompt_is_refused_before_tokenizing_and_others_are_unaffected(serv
     small = {"text_input": "def g():", "sampling_param_max_tokens": 4}
     base = min(_timed(lambda: http_generate(server, small))[1] for _ in range(3))
     rss_before = stub_rss_mb(stub)
-    big = {"text_input": "x" * (20 * 1024 * 1024), "sampling_param_max_tokens": 4}
+    # encoded up front: building 20 MB of JSON here would hold the GIL and delay our own normal client
+    big = json.dumps({"text_input": "x" * (20 * 1024 * 1024), "sampling_param_max_tokens": 4}).encode()
+
+    def post_big():
+        return httpx.post(
+            server.http_url + GEN, content=big, headers={"content-type": "application/json"}, timeout=60
+        )
+
     result: dict = {}
-    t = threading.Thread(
-        target=lambda: result.update(big=_timed(lambda: http_generate(server, big, timeout=60)))
-    )
+    t = threading.Thread(target=lambda: result.update(big=_timed(post_big)))
     t.start()
     time.sleep(0.05)
     normal, normal_s = _timed(lambda: http_generate(server, small))
