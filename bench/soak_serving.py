@@ -17,6 +17,10 @@ Phases:
   sigterm    `sigterm_streams` HTTP streams of `sigterm_tokens` tokens; SIGTERM 1 s in; how every
              stream ended (complete / explicit abort error / cut without a final event), serve's
              exit code and seconds to exit, with --drain-timeout
+  keepalive  a fresh serve, one request on a keep-alive HTTP connection left open, SIGTERM: exit code
+             and seconds to exit
+  kill       a fresh serve, one HTTP and one gRPC stream in flight, `kill -9` of the Python stub:
+             seconds until each client has its error, and until serve exits (and its code)
 """
 
 from __future__ import annotations
@@ -289,6 +293,91 @@ def phase_sigterm(s: Serve, args) -> dict:
     return out
 
 
+def phase_keepalive(bundle: Path, args) -> dict:
+    s = Serve(bundle, args.drain_timeout)
+    with httpx.Client() as client:
+        ok = (
+            client.post(s.url + GEN, json={"text_input": "a", "sampling_param_max_tokens": 2}).status_code
+            == 200
+        )
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        _, err = s.proc.communicate(timeout=60)
+        exit_s = time.monotonic() - t0
+    out = {"request_ok": ok, "serve_exit_code": s.proc.returncode, "exit_s": round(exit_s, 2),
+           "serve_said": [ln for ln in err.splitlines() if ln.startswith("stopped")]}  # fmt: skip
+    print(f"keepalive: {out}", flush=True)
+    return out
+
+
+def phase_kill(bundle: Path, args) -> dict:
+    s = Serve(bundle, args.drain_timeout)
+    ended: dict[str, float] = {}
+    status: dict[str, str] = {}
+    started = {"http": threading.Event(), "grpc": threading.Event()}
+
+    def http_client() -> None:
+        body = {"text_input": "def f():", "sampling_param_max_tokens": 2000, "sampling_param_ignore_eos": True,
+                "streaming": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", s.url + GEN + "_stream", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        started["http"].set()
+            status["http"] = "completed (the stream ended normally)"
+        except httpx.HTTPError as exc:
+            status["http"] = repr(exc)[:120]
+        ended["http"] = time.monotonic()
+
+    def grpc_client() -> None:
+        import tritonclient.grpc as grpcclient
+
+        done = threading.Event()
+
+        def callback(result, error):
+            started["grpc"].set()
+            if error is not None:
+                status["grpc"] = str(error)[:120]
+                done.set()
+            elif result.get_response().parameters.get("triton_final_response").bool_param:
+                status["grpc"] = "completed"
+                done.set()
+
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc}")
+        client.start_stream(callback=callback)
+        tensors = []
+        for name, value, dtype, triton in (("text_input", b"def g():", np.object_, "BYTES"),
+                                           ("sampling_param_max_tokens", 2000, np.int32, "INT32"),
+                                           ("sampling_param_ignore_eos", True, np.bool_, "BOOL"),
+                                           ("streaming", True, np.bool_, "BOOL")):  # fmt: skip
+            t = grpcclient.InferInput(name, [1], triton)
+            t.set_data_from_numpy(np.array([value], dtype=dtype))
+            tensors.append(t)
+        client.async_stream_infer("tensorrt_llm", tensors, enable_empty_final_response=True)
+        done.wait(120)
+        ended["grpc"] = time.monotonic()
+        client.close()
+
+    threads = [threading.Thread(target=grpc_client), threading.Thread(target=http_client)]
+    threads[0].start()
+    started["grpc"].wait(60)
+    threads[1].start()
+    started["http"].wait(60)
+    stub = s.stub_pid()
+    t0 = time.monotonic()
+    os.kill(stub, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    _, err = s.proc.communicate(timeout=60)
+    exit_s = time.monotonic() - t0
+    out = {"http_error_s": round(ended["http"] - t0, 3), "http": status.get("http"),
+           "grpc_error_s": round(ended["grpc"] - t0, 3), "grpc": status.get("grpc"),
+           "serve_exit_code": s.proc.returncode, "serve_exit_s": round(exit_s, 2),
+           "serve_said": [ln for ln in err.splitlines() if ln.startswith("Error")]}  # fmt: skip
+    print(f"kill: {out}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, help="a built bundle (default: build `tiny` into a temp dir)")
@@ -300,7 +389,9 @@ def main() -> None:
     ap.add_argument("--drain-timeout", type=float, default=30)
     ap.add_argument("--sigterm-streams", type=int, default=48)
     ap.add_argument("--sigterm-tokens", type=int, default=2000)
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: load,abandon,huge,sigterm")
+    ap.add_argument(
+        "--skip", default="", help="comma-separated phases to skip: load,abandon,huge,sigterm,keepalive,kill"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -329,6 +420,12 @@ def main() -> None:
         if s.proc.poll() is None:
             s.proc.send_signal(signal.SIGTERM)
             s.proc.communicate(timeout=args.drain_timeout + 60)
+    try:
+        if "keepalive" not in skip:
+            summary["keepalive"] = phase_keepalive(bundle, args)
+        if "kill" not in skip:
+            summary["kill"] = phase_kill(bundle, args)
+    finally:
         tmp.cleanup()
     text = json.dumps(summary, indent=2)
     print(text)

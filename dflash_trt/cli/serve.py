@@ -12,7 +12,7 @@ import click
 
 # Triton's own --exit-timeout-secs. serve drains before it signals tritonserver, so this only bounds
 # how long Triton waits for idle HTTP keep-alive connections (it waits for every open connection).
-EXIT_TIMEOUT_S = 2
+EXIT_TIMEOUT_S = 1
 WATCH_PERIOD_S = 0.25
 
 
