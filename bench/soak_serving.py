@@ -15,8 +15,9 @@ Phases:
   huge       a 20 MB prompt: seconds to its refusal, and the latency of a normal request sent
              meanwhile against an idle one
   sigterm    `sigterm_streams` HTTP streams of `sigterm_tokens` tokens; SIGTERM 1 s in; how every
-             stream ended (complete / explicit abort error / cut without a final event), serve's
-             exit code and seconds to exit, with --drain-timeout
+             stream ended (complete / explicit abort error / refused with an error status before it
+             reached the model / cut without a final event), serve's exit code and seconds to
+             exit, with --drain-timeout
   keepalive  a fresh serve, one request on a keep-alive HTTP connection left open, SIGTERM: exit code
              and seconds to exit
   kill       a fresh serve, one HTTP and one gRPC stream in flight, `kill -9` of the Python stub:
@@ -100,19 +101,26 @@ class Serve:
 
 
 def http_stream(url: str, prompt: str, n: int, *, stop_after: int | None = None) -> tuple[str, dict | str]:
-    """('ok'|'error'|'cut'|'closed', last event or exception text)."""
+    """('ok'|'error'|'refused'|'cut'|'closed', last event or exception text)."""
     body = {"text_input": prompt, "sampling_param_max_tokens": n, "sampling_param_ignore_eos": True,
             "streaming": True, "return_finish_reason": True}  # fmt: skip
     last: dict | None = None
     count = 0
     try:
         with httpx.stream("POST", url + GEN + "_stream", json=body, timeout=600) as r:
+            # An SSE stream whose first response is an error comes with HTTP 400 (Triton's choice)
+            # and that error as its one event; a refusal before the model has a plain JSON body.
+            other: list[str] = []
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     last = json.loads(line[5:])
                     count += 1
                     if stop_after is not None and count >= stop_after:
                         return "closed", last
+                elif line.strip():
+                    other.append(line)
+            if last is None and r.status_code != 200:
+                return "refused", f"HTTP {r.status_code} " + " ".join(other)[:160]
     except httpx.HTTPError as exc:
         return "cut", repr(exc)
     if last is None:
@@ -276,10 +284,14 @@ def phase_sigterm(s: Serve, args) -> dict:
         t.join(args.drain_timeout + 120)
     _, err = s.proc.communicate(timeout=args.drain_timeout + 120)
     exit_s = time.monotonic() - t0
-    kinds = {"complete": 0, "aborted": 0, "other_error": 0, "cut": 0}
+    kinds = {"complete": 0, "aborted": 0, "refused": 0, "other_error": 0, "cut": 0}
+    refusals: set[str] = set()
     for status, last in results:
         if status == "ok":
             kinds["complete"] += 1
+        elif status == "refused":
+            kinds["refused"] += 1
+            refusals.add(str(last)[:120])
         elif status == "error" and "aborted: the server shut down" in str(last):
             kinds["aborted"] += 1
         elif status == "error":
@@ -287,7 +299,7 @@ def phase_sigterm(s: Serve, args) -> dict:
         else:
             kinds["cut"] += 1
     out = {"streams": args.sigterm_streams, "tokens": args.sigterm_tokens, "drain_timeout": args.drain_timeout,
-           **kinds, "serve_exit_code": s.proc.returncode, "exit_s": round(exit_s, 1),
+           **kinds, "refusals": sorted(refusals), "serve_exit_code": s.proc.returncode, "exit_s": round(exit_s, 1),
            "serve_said": [ln for ln in err.splitlines() if ln.startswith("stopped")]}  # fmt: skip
     print(f"sigterm: {out}", flush=True)
     return out

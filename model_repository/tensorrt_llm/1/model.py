@@ -662,10 +662,18 @@ class TritonPythonModel:
                 tensors.append(pb_utils.Tensor(name, np.array([values[name]], dtype=dtype)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks(self.loop) if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def finalize(self) -> None:
         try:
             self.llm.shutdown()
         finally:
+            with contextlib.suppress(Exception):  # the background pollers end quietly
+                asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
             self.pool.shutdown(wait=False, cancel_futures=True)
