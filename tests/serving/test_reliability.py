@@ -34,11 +34,16 @@ def sse(
     events: list = [] if into is None else into
     try:
         with httpx.stream("POST", url + GEN + "_stream", json=body, timeout=timeout) as r:
+            plain = []
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     events.append(json.loads(line[5:]))
                     if stop_after is not None and len(events) >= stop_after:
                         return events  # leaving the block closes the connection mid-stream
+                elif line.strip():
+                    plain.append(line)
+            if not events and r.status_code != 200:  # refused before the model: a plain JSON error
+                events.append({"error": " ".join(plain), "status": r.status_code})
     except httpx.HTTPError as exc:
         events.append(repr(exc))
     return events
