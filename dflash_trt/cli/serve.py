@@ -14,6 +14,7 @@ import click
 # how long Triton waits for idle HTTP keep-alive connections (it waits for every open connection).
 EXIT_TIMEOUT_S = 1
 WATCH_PERIOD_S = 0.25
+HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is a wedged stub
 
 
 @click.command()
@@ -52,8 +53,9 @@ def serve(
     SIGTERM (or Ctrl-C) drains: readiness turns false and new requests are refused at once, in-flight
     requests run on for up to --drain-timeout seconds and whatever is left then ends with an explicit
     error; the model is finalized and serve exits 0. A second signal kills the server at once. If a
-    Python-backend stub dies (say `kill -9`), serve stops the server and exits 1 within a second,
-    so that a supervisor (Kubernetes, systemd) restarts it.
+    Python-backend stub dies (say `kill -9`), serve stops the server and exits 1 within a second
+    (within 10 s when the stub is wedged and its heartbeat stops), so that a supervisor
+    (Kubernetes, systemd) restarts it.
 
     Uses the `tritonserver` on PATH (NGC images) or else the binary inside the nvidia-pytriton
     wheel, so it runs for real on a CPU machine with a `torch` (embedded engine) bundle.
@@ -125,6 +127,13 @@ def serve(
                 raise click.ClickException(
                     f"the Python-backend stub (pid {pid}, {model}) died; tritonserver would keep reporting "
                     "ready while failing every request, so it was stopped; restart serve"
+                )
+            age = server.heartbeat_age()
+            if age is not None and age > HEARTBEAT_TIMEOUT_S:
+                server.kill()
+                raise click.ClickException(
+                    f"the model's heartbeat is {age:.0f} s old (its Python stub is wedged); tritonserver "
+                    "would keep reporting ready while requests hang, so it was stopped; restart serve"
                 )
         click.echo(f"draining: new requests refused, in-flight ones get up to {drain_timeout:g} s", err=True)
         outcome, took = server.drain(drain_timeout)

@@ -14,6 +14,8 @@ The server runs in its own process group, so stopping it takes its Python stub p
 Supervision (what `dflash-trt serve` builds on):
 - `dead_stubs()` names Python-backend stubs that died (say `kill -9`): Triton itself keeps reporting
   ready and answers every request 400 "Stub process ... is not healthy", so the supervisor must act;
+- `heartbeat_age()`: the model touches a heartbeat file from its event loop every second; a stale
+  one means a wedged stub (stopped, deadlocked), which Triton does not notice either;
 - `drain(budget)` ends a server gracefully: it writes `drain` into the control directory (the model
   then refuses new requests with 503 and ends what is left at the budget with an explicit error),
   unloads the models (readiness turns false at once; Triton finalizes a model when its last request
@@ -163,7 +165,7 @@ class TritonServer:
         env = {**os.environ, **self.install.env, **self.extra_env}
         if self.control_dir is not None:
             Path(self.control_dir).mkdir(parents=True, exist_ok=True)
-            for name in ("drain", "drained", "finalized"):
+            for name in ("drain", "drained", "finalized", "heartbeat"):
                 (Path(self.control_dir) / name).unlink(missing_ok=True)
             env["DFLASH_TRT_CONTROL_DIR"] = str(self.control_dir)
         self.proc = subprocess.Popen(
@@ -245,6 +247,15 @@ class TritonServer:
             return {}
         alive = self._stubs_now()
         return {pid: model for pid, model in self.stub_pids.items() if pid not in alive}
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the model last touched its heartbeat (None: no control dir, or none yet)."""
+        if self.control_dir is None:
+            return None
+        try:
+            return time.time() - (Path(self.control_dir) / "heartbeat").stat().st_mtime
+        except OSError:
+            return None
 
     def _admin(self, path: str, timeout: float = 5.0) -> None:
         req = urllib.request.Request(

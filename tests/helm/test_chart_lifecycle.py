@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The chart's shutdown and liveness scripts, rendered by Helm and run against a real tritonserver
 serving the tiny bundle: the preStop hook drains (in-flight requests finish or end with an explicit
-error, then Triton exits 0 on SIGTERM), and the liveness probe fails once the Python stub is killed.
+error, then Triton exits 0 on SIGTERM), and the liveness probe fails once the Python stub is wedged
+(stale heartbeat) or killed.
 
 Two substitutions adapt the rendered scripts to this shared machine: the control directory and the
 HTTP port (the pod's are fixed), and, for the liveness probe, the processes it scans (a pod's /proc
@@ -73,9 +74,9 @@ def _sse(url: str, body: dict, into: list) -> None:
         into.append(repr(exc))
 
 
-def test_liveness_probe_fails_once_the_stub_is_killed(chart_server):
-    server, _, container, _ = chart_server
-    script = container["livenessProbe"]["exec"]["command"][2]
+def test_liveness_probe_fails_once_the_stub_is_wedged_or_killed(chart_server):
+    server, _, container, control = chart_server
+    script = container["livenessProbe"]["exec"]["command"][2].replace(CONTROL, str(control))
     script = script.replace("/dev/tcp/127.0.0.1/8000", f"/dev/tcp/127.0.0.1/{server.http_port}")
     own = " ".join(f"/proc/{pid}/cmdline" for pid in [server.proc.pid, *server.watch_stubs()])
     script = script.replace("/proc/[0-9]*/cmdline", own)
@@ -85,6 +86,19 @@ def test_liveness_probe_fails_once_the_stub_is_killed(chart_server):
 
     assert probe().returncode == 0, probe().stderr
     stub = next(iter(server.stub_pids))
+    # wedged: the stub stops beating (stopped here; its heartbeat is aged instead of waiting 10 s)
+    os.kill(stub, signal.SIGSTOP)
+    try:
+        old = time.time() - 30
+        os.utime(control / "heartbeat", (old, old))
+        out = probe()
+        assert out.returncode == 1 and "heartbeat is stale" in out.stderr, out.stderr
+    finally:
+        os.kill(stub, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while probe().returncode != 0:  # beating again
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     os.kill(stub, signal.SIGKILL)
     time.sleep(0.2)
     # Triton itself still answers live (the defect the probe works around)

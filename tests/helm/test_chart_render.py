@@ -248,7 +248,7 @@ def test_single_node_gpu_pod() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     live = c["livenessProbe"]["exec"]["command"]
     assert live[:2] == ["/bin/bash", "-c"] and "triton_python_backend_stu[b]" in live[2]
-    assert "GET /v2/health/live" in live[2]
+    assert "GET /v2/health/live" in live[2] and "/var/run/dflash-trt/heartbeat" in live[2]
     # shutdown timing derives from server.drainSeconds (30) and the preStop sleep (5)
     assert spec["terminationGracePeriodSeconds"] == 5 + 30 + 15 + 10 + 5
     assert "--exit-timeout-secs=10" in c["args"]

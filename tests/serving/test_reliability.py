@@ -367,3 +367,23 @@ def test_sigterm_with_an_idle_keepalive_connection_exits_0_quickly(tiny_bundle):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_wedged_stub_is_noticed_by_its_stale_heartbeat(tiny_bundle):
+    proc, ports = launch_serve(tiny_bundle)
+    url = f"http://127.0.0.1:{ports['http']}"
+    try:
+        (stub,) = [s for pid in children(proc.pid) for s in stubs_of(pid)]
+        os.kill(stub, signal.SIGSTOP)  # alive but wedged: Triton keeps reporting ready
+        t0 = time.monotonic()
+        assert httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert proc.returncode == 1 and "heartbeat" in err and "wedged" in err, err
+        assert took < 15, took  # 10 s of silence, plus up to a beat
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/v2/health/ready", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

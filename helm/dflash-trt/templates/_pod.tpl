@@ -259,8 +259,8 @@ spec:
         failureThreshold: {{ int .failureThreshold }}
       {{- end }}
       {{- with $v.probes.liveness }}
-      # Triton keeps answering live and ready after its Python stub dies (every request then fails),
-      # so liveness also asks for a live stub process: a pod whose stub is gone is restarted.
+      # Triton keeps answering live and ready after its Python stub dies (every request then fails)
+      # or wedges, so liveness also asks for a live stub process and a fresh heartbeat from the model.
       livenessProbe:
         exec:
           command:
@@ -272,6 +272,10 @@ spec:
                 case "$(tr '\0' ' ' < "$f" 2>/dev/null)" in *triton_python_backend_stu[b]*) alive=1; break ;; esac
               done
               if [ "$alive" != 1 ]; then echo "no live triton_python_backend_stub: the model's Python stub died" >&2; exit 1; fi
+              hb={{ include "dflash-trt.controlDir" $root }}/heartbeat
+              if [ -e "$hb" ] && [ $(( $(date +%s) - $(stat -c %Y "$hb") )) -gt 10 ]; then
+                echo "the model's heartbeat is stale: its Python stub is wedged" >&2; exit 1
+              fi
               exec 3<>/dev/tcp/127.0.0.1/8000 || exit 1
               printf 'GET /v2/health/live HTTP/1.0\r\n\r\n' >&3
               head -n 1 <&3 | grep -q ' 200 ' || { echo "/v2/health/live is not 200" >&2; exit 1; }

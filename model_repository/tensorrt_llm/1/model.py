@@ -20,6 +20,10 @@ default 32 bytes per token of the LLM's max_seq_len) before anything decodes or 
 generate_async (which tokenizes and validates) runs on a worker thread, never on the event loop that
 serves every other request. Token-count and other semantic limits belong to the engine.
 
+Heartbeat: with $DFLASH_TRT_CONTROL_DIR set, the model's event loop touches `heartbeat` there every
+second; a stale heartbeat tells a supervisor (serve, the chart's liveness probe) that the stub is
+wedged.
+
 Drain: with $DFLASH_TRT_CONTROL_DIR set, the file `drain` appearing there (its content: the drain
 budget in seconds) puts the model into draining: new requests get UNAVAILABLE (HTTP 503), in-flight
 requests run on until the budget is spent, and whatever is left then ends with an explicit UNAVAILABLE
@@ -194,6 +198,7 @@ class TritonPythonModel:
         self.drain_deadline: float | None = None  # time.monotonic() at which the drain budget ends
         self.drain_budget = 0.0
         self._drain_aborted: set[int] = set()  # id() of handles ended by the drain deadline
+        self._last_beat = -1e9
         root = Path(
             os.environ.get("DFLASH_TRT_BUNDLE_ROOT")
             or (_config_path().parent / triton_cfg.get("bundle_root", "."))
@@ -333,7 +338,18 @@ class TritonPythonModel:
                         self.m_round.observe(seconds)
             except Exception as exc:  # metrics must never take the model down
                 pb_utils.Logger.log_warn(f"engine stats poll failed: {exc}")
+            self._heartbeat()
             await asyncio.sleep(0.25)
+
+    def _heartbeat(self) -> None:
+        """Touch $DFLASH_TRT_CONTROL_DIR/heartbeat (at most once a second): a supervisor that sees it
+        go stale knows this stub is wedged even though Triton still reports it ready."""
+        now = time.monotonic()
+        if self.control_dir is None or now - self._last_beat < 1.0:
+            return
+        self._last_beat = now
+        with contextlib.suppress(OSError):
+            (self.control_dir / "heartbeat").touch()
 
     # --- requests -------------------------------------------------------------------------------
     def execute(self, requests):
