@@ -14,7 +14,8 @@ Phases:
              requests; then the seconds until active/queued/KV are back to 0
   huge       a 20 MB prompt: seconds to its refusal, and the latency of a normal request sent
              meanwhile against an idle one
-  sigterm    `sigterm_streams` HTTP streams of `sigterm_tokens` tokens; SIGTERM 1 s in; how every
+  sigterm    `sigterm_streams` HTTP streams of `sigterm_tokens` tokens; SIGTERM 1 s after all of them
+             have reached the model (generating or queued); how every
              stream ended (complete / explicit abort error / refused with an error status before it
              reached the model / cut without a final event), serve's exit code and seconds to
              exit, with --drain-timeout
@@ -277,6 +278,13 @@ def phase_sigterm(s: Serve, args) -> dict:
     threads = [threading.Thread(target=one, args=(i,)) for i in range(args.sigterm_streams)]
     for t in threads:
         t.start()
+    # every stream in the model first (generating or queued): starting this many client threads can
+    # take over a second on a busy machine, and a request sent after SIGTERM is refused, not drained
+    deadline = time.monotonic() + 60
+    while s.metric("dflash_requests_active") + s.metric("dflash_requests_queued") < args.sigterm_streams:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     time.sleep(1.0)
     t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
