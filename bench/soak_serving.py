@@ -393,7 +393,7 @@ def phase_kill(bundle: Path, args) -> dict:
     out = {"http_error_s": round(ended["http"] - t0, 3), "http": status.get("http"),
            "grpc_error_s": round(ended["grpc"] - t0, 3), "grpc": status.get("grpc"),
            "serve_exit_code": s.proc.returncode, "serve_exit_s": round(exit_s, 2),
-           "serve_said": [ln for ln in err.splitlines() if ln.startswith("Error")]}  # fmt: skip
+           "serve_said": [ln for ln in err.splitlines() if ln.startswith(("Error", "warning"))]}  # fmt: skip
     print(f"kill: {out}", flush=True)
     return out
 

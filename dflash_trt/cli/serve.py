@@ -120,6 +120,8 @@ def serve(
                 raise click.ClickException(
                     f"tritonserver exited unexpectedly with code {server.proc.returncode}"
                 )
+            if not server.stub_pids:  # none seen at ready: keep looking
+                server.watch_stubs()
             dead = server.dead_stubs()
             if dead:
                 server.kill()
