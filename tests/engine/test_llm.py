@@ -283,6 +283,7 @@ def test_overload_queues_and_kv_admission(pair):
         ([1, 99], {}, r"prompt_ids\[1\]=99: out of range for vocab_size=13"),
         ([1], {"n": 2}, r"only one output per request"),
         ([1], {"stop": "x"}, r"stop strings need a tokenizer"),
+        ([1], {"stop_token_ids": [13, -3]}, r"stop_token_ids=\[-3, 13\]: out of range for vocab_size=13"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(pair, prompt, kwargs, pattern):
