@@ -10,6 +10,12 @@ from pathlib import Path
 
 import click
 
+# Triton's own --exit-timeout-secs. serve drains before it signals tritonserver, so this only bounds
+# how long Triton waits for idle HTTP keep-alive connections (it waits for every open connection).
+EXIT_TIMEOUT_S = 1
+WATCH_PERIOD_S = 0.25
+HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is a wedged stub
+
 
 @click.command()
 @click.option(
@@ -24,6 +30,10 @@ import click
 @click.option(
     "--no-draft", is_flag=True, help="Serve the bundle's target without the drafter (the AR baseline)."
 )
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30, show_default=True,
+              help="On SIGTERM/SIGINT: seconds in-flight requests may run on before they are ended with an "
+              "explicit error (new requests are refused at once). Keep it below the orchestrator's grace "
+              "period minus any preStop delay.")  # fmt: skip
 @click.option("--log-verbose", type=click.IntRange(0, 3), default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="Do not forward the server log to stderr.")
 def serve(
@@ -34,10 +44,18 @@ def serve(
     metrics_port: int,
     ready_timeout: float,
     no_draft: bool,
+    drain_timeout: float,
     log_verbose: int,
     quiet: bool,
 ) -> None:
-    """Start tritonserver on the bundle's model repository and wait for Ctrl-C / SIGTERM.
+    """Start tritonserver on the bundle's model repository and supervise it until Ctrl-C / SIGTERM.
+
+    SIGTERM (or Ctrl-C) drains: readiness turns false and new requests are refused at once, in-flight
+    requests run on for up to --drain-timeout seconds and whatever is left then ends with an explicit
+    error; the model is finalized and serve exits 0. A second signal kills the server at once. If a
+    Python-backend stub dies (say `kill -9`), serve stops the server and exits 1 within a second
+    (within 10 s when the stub is wedged and its heartbeat stops), so that a supervisor
+    (Kubernetes, systemd) restarts it.
 
     Uses the `tritonserver` on PATH (NGC images) or else the binary inside the nvidia-pytriton
     wheel, so it runs for real on a CPU machine with a `torch` (embedded engine) bundle.
@@ -59,9 +77,8 @@ def serve(
     manifest = load_manifest(bundle)
     repo = bundle_path(bundle, manifest, "model_repository")
     env = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())}
-    tmp = None
+    tmp = tempfile.TemporaryDirectory(prefix="dflash-serve-")
     if no_draft:
-        tmp = tempfile.TemporaryDirectory(prefix="dflash-nodraft-")
         repo = _without_drafter(repo, Path(tmp.name))
     server = TritonServer(
         model_repository=repo.resolve(),
@@ -72,10 +89,16 @@ def serve(
         log_verbose=log_verbose,
         extra_env=env,
         forward_logs=not quiet,
+        exit_timeout=EXIT_TIMEOUT_S,
+        control_dir=Path(tmp.name) / "control",
+        models=(manifest["serving"]["model_name"],),
     )
     stop = threading.Event()
 
     def on_signal(signum, _frame) -> None:
+        if stop.is_set():  # a second signal: no more waiting
+            click.echo("second signal: killing tritonserver", err=True)
+            server.kill()
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -89,19 +112,45 @@ def serve(
             f"(model {manifest['serving']['model_name']})",
             err=True,
         )
-        while not stop.wait(0.5):
+        stubs = server.watch_stubs()
+        if not stubs:
+            click.echo("warning: found no Python-backend stub process to watch", err=True)
+        while not stop.wait(WATCH_PERIOD_S):
             if server.proc is not None and server.proc.poll() is not None:
                 raise click.ClickException(
                     f"tritonserver exited unexpectedly with code {server.proc.returncode}"
                 )
-        click.echo("stopping tritonserver", err=True)
+            if not server.stub_pids:  # none seen at ready: keep looking
+                server.watch_stubs()
+            dead = server.dead_stubs()
+            if dead:
+                server.kill()
+                pid, model = next(iter(dead.items()))
+                raise click.ClickException(
+                    f"the Python-backend stub (pid {pid}, {model}) died; tritonserver would keep reporting "
+                    "ready while failing every request, so it was stopped; restart serve"
+                )
+            age = server.heartbeat_age()
+            if age is not None and age > HEARTBEAT_TIMEOUT_S:
+                server.kill()
+                raise click.ClickException(
+                    f"the model's heartbeat is {age:.0f} s old (its Python stub is wedged); tritonserver "
+                    "would keep reporting ready while requests hang, so it was stopped; restart serve"
+                )
+        click.echo(f"draining: new requests refused, in-flight ones get up to {drain_timeout:g} s", err=True)
+        outcome, took = server.drain(drain_timeout)
+        code = server.proc.returncode if server.proc is not None else None
+        how = {"finalized": "model finalized", "drained": "model drained (an open client stream kept Triton "
+               "from finalizing it)", "timeout": "model did NOT report drained"}[outcome]  # fmt: skip
+        click.echo(f"stopped in {took:.1f} s: {how}, tritonserver exit code {code}", err=True)
     finally:
-        code = server.stop()
+        server.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if tmp is not None:
-            tmp.cleanup()
-    sys.exit(0 if code in (0, None, -signal.SIGTERM) else 1)
+        tmp.cleanup()
+    # Exit 0 when every request ended explicitly and the engine shut down cleanly. tritonserver itself
+    # may have been killed after that (an idle gRPC stream holds it; see TritonServer.drain).
+    sys.exit(0 if (outcome == "finalized" and code == 0) or outcome == "drained" else 1)
 
 
 def _without_drafter(repo: Path, out: Path) -> Path:

@@ -89,7 +89,14 @@ OUTPUTS: tuple[Port, ...] = (
 )
 
 ENGINES = ("dflash_trt", "tensorrt_llm")
-TRITON_CONFIG_KEYS = {"max_batch_size", "decoupled", "engine", "cancellation_check_period_ms", "bundle_root"}
+TRITON_CONFIG_KEYS = {
+    "max_batch_size",
+    "decoupled",
+    "engine",
+    "cancellation_check_period_ms",
+    "bundle_root",
+    "max_prompt_bytes",
+}
 
 
 def render_config_pbtxt(*, model_name: str = MODEL_NAME, instance_count: int = 1) -> str:

@@ -10,13 +10,29 @@ For the wheel's binary (facts checked on Debian 12 / Python 3.11, tritonserver 2
 - PATH starts with this interpreter's bin directory (the stub takes its Python prefix from the
   first python3 on PATH).
 The server runs in its own process group, so stopping it takes its Python stub processes along.
+
+Supervision (what `dflash-trt serve` builds on):
+- `dead_stubs()` names Python-backend stubs that died (say `kill -9`): Triton itself keeps reporting
+  ready and answers every request 400 "Stub process ... is not healthy", so the supervisor must act;
+- `heartbeat_age()`: the model touches a heartbeat file from its event loop every second; a stale
+  one means a wedged stub (stopped, deadlocked), which Triton does not notice either;
+- `drain(budget)` ends a server gracefully: it writes `drain` into the control directory (the model
+  then refuses new requests with 503 and ends what is left at the budget with an explicit error),
+  unloads the models (readiness turns false at once; Triton finalizes a model when its last request
+  has ended and no client stream holds it), waits for the model's `drained` or `finalized` marker,
+  then stops the process (SIGTERM; SIGKILL after the exit timeout, when an idle gRPC stream keeps
+  tritonserver from exiting: by then every request has ended explicitly). Unloading needs
+  explicit model control, so a server with `control_dir` set runs with `--model-control-mode=explicit`
+  and a model-repository API restricted by a random key only this object knows.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -78,6 +94,9 @@ def locate_tritonserver() -> TritonInstall:
     return TritonInstall(binary, backends, env, "nvidia-pytriton", tmp)
 
 
+ADMIN_HEADER = "dflash-trt-admin"
+
+
 @dataclass
 class TritonServer:
     """A running tritonserver. Use as a context manager, or call start()/stop()."""
@@ -90,9 +109,14 @@ class TritonServer:
     log_verbose: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     forward_logs: bool = True
+    exit_timeout: int = 30  # --exit-timeout-secs: what Triton itself waits after SIGTERM
+    control_dir: Path | None = None  # drain/finalized markers shared with the model (see drain())
+    models: tuple[str, ...] = ("tensorrt_llm",)  # loaded explicitly when control_dir is set
     proc: subprocess.Popen | None = None
     install: TritonInstall | None = None
     logs: deque = field(default_factory=lambda: deque(maxlen=200))
+    stub_pids: dict[int, str] = field(default_factory=dict)  # pid -> model.py path, taken by watch_stubs()
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def http_url(self) -> str:
@@ -120,8 +144,15 @@ class TritonServer:
             "--allow-metrics=true",
             "--allow-cpu-metrics=true",
             f"--log-verbose={self.log_verbose}",
-            "--exit-timeout-secs=30",
+            f"--exit-timeout-secs={int(self.exit_timeout)}",
         ]
+        if self.control_dir is not None:
+            cmd += [
+                "--model-control-mode=explicit",
+                *(f"--load-model={m}" for m in self.models),
+                f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self.admin_key}",
+                f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self.admin_key}",
+            ]
         if self.install.backend_dir is not None:
             cmd.append(f"--backend-directory={self.install.backend_dir}")
         return cmd
@@ -132,6 +163,11 @@ class TritonServer:
         tritonserver or Python stub behind."""
         self.install = locate_tritonserver()
         env = {**os.environ, **self.install.env, **self.extra_env}
+        if self.control_dir is not None:
+            Path(self.control_dir).mkdir(parents=True, exist_ok=True)
+            for name in ("drain", "drained", "finalized", "heartbeat"):
+                (Path(self.control_dir) / name).unlink(missing_ok=True)
+            env["DFLASH_TRT_CONTROL_DIR"] = str(self.control_dir)
         self.proc = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE,
@@ -179,11 +215,101 @@ class TritonServer:
                 )
             time.sleep(0.25)
 
-    def stop(self, timeout: float = 40.0) -> int | None:
-        """SIGTERM the process group, wait, then SIGKILL what is left. Idempotent."""
+    # --- supervision ------------------------------------------------------------------------------
+    def _stubs_now(self) -> dict[int, str]:
+        """Live (not zombie) Python-backend stubs whose parent is this server: pid -> model.py."""
+        if self.proc is None:
+            return {}
+        found: dict[int, str] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != self.proc.pid or state in ("Z", "X") or not cmd:
+                continue
+            if cmd[0].endswith(b"triton_python_backend_stub") and len(cmd) > 1:
+                found[int(entry)] = cmd[1].decode(errors="replace")
+        return found
+
+    def watch_stubs(self) -> dict[int, str]:
+        """Remember the stubs running now (call once the server is ready); returns them."""
+        self.stub_pids = self._stubs_now()
+        return dict(self.stub_pids)
+
+    def dead_stubs(self) -> dict[int, str]:
+        """The remembered stubs that are gone (killed, crashed): pid -> model.py."""
+        if not self.stub_pids:
+            return {}
+        alive = self._stubs_now()
+        return {pid: model for pid, model in self.stub_pids.items() if pid not in alive}
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the model last touched its heartbeat (None: no control dir, or none yet)."""
+        if self.control_dir is None:
+            return None
+        try:
+            return time.time() - (Path(self.control_dir) / "heartbeat").stat().st_mtime
+        except OSError:
+            return None
+
+    def _admin(self, path: str, timeout: float = 5.0) -> None:
+        req = urllib.request.Request(
+            f"{self.http_url}{path}",
+            data=json.dumps({}).encode(),
+            headers={ADMIN_HEADER: self.admin_key, "Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+
+    def drain(self, budget: float, *, grace: float = 15.0) -> tuple[str, float]:
+        """Drain, then stop (see the module docstring). Returns (outcome, seconds): outcome is
+        "finalized" (Triton unloaded the model), "drained" (the model ended every request and shut its
+        engine down, but Triton still held it: an open client stream) or "timeout" (the model did not
+        report back within budget + grace). The process is stopped in every case."""
+        t0 = time.monotonic()
+        if self.proc is None or self.proc.poll() is not None or self.control_dir is None:
+            self.stop()
+            return "timeout", time.monotonic() - t0
+        control = Path(self.control_dir)
+        tmp = control / ".drain.tmp"
+        tmp.write_text(f"{budget:g}\n")
+        os.replace(tmp, control / "drain")
+        for model in self.models:
+            try:
+                self._admin(f"/v2/repository/models/{model}/unload")
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                self.logs.append(f"[dflash-trt] unload of {model} failed: {exc}")
+        finalized, drained = control / "finalized", control / "drained"
+        deadline = t0 + budget + grace
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if finalized.exists():
+                break
+            if drained.exists():  # give Triton a moment to finalize (no client stream holds it)
+                settle = time.monotonic() + 1.0
+                while not finalized.exists() and time.monotonic() < settle:
+                    time.sleep(0.05)
+                break
+            time.sleep(0.05)
+        outcome = "finalized" if finalized.exists() else "drained" if drained.exists() else "timeout"
+        # Nothing is in flight now: Triton's exit timeout only bounds its wait for idle connections.
+        # Past it (plus a little), what holds the process is an idle gRPC stream: kill it.
+        self.stop(timeout=self.exit_timeout + 3.0)
+        return outcome, time.monotonic() - t0
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM the process group, wait (default: Triton's exit timeout + 10 s), then SIGKILL what
+        is left. Idempotent."""
         proc = self.proc
         if proc is None:
             return None
+        if timeout is None:
+            timeout = self.exit_timeout + 10.0
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -203,3 +329,10 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once (a dead stub leaves nothing worth draining)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.stop(timeout=5)

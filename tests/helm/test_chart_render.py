@@ -246,7 +246,16 @@ def test_single_node_gpu_pod() -> None:
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    live = c["livenessProbe"]["exec"]["command"]
+    assert live[:2] == ["/bin/bash", "-c"] and "triton_python_backend_stu[b]" in live[2]
+    assert "GET /v2/health/live" in live[2] and "/var/run/dflash-trt/heartbeat" in live[2]
+    # shutdown timing derives from server.drainSeconds (30) and the preStop sleep (5)
+    assert spec["terminationGracePeriodSeconds"] == 5 + 30 + 15 + 10 + 5
+    assert "--exit-timeout-secs=10" in c["args"]
+    pre = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre[:2] == ["/bin/sh", "-c"] and pre[2].startswith("sleep 5\n") and "printf '%s\\n' 30" in pre[2]
+    assert {"name": "DFLASH_TRT_CONTROL_DIR", "value": "/var/run/dflash-trt"} in c["env"]
+    assert {"name": "control", "mountPath": "/var/run/dflash-trt"} in c["volumeMounts"]
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
@@ -311,8 +320,9 @@ def test_multi_node_lws() -> None:
     assert lc["args"][: lc["args"].index("--")] == ["-x", "NCCL_DEBUG"]
     assert "--model-repository=/models/model_repository" in lc["args"]
     assert lc["startupProbe"]["failureThreshold"] * lc["startupProbe"]["periodSeconds"] >= 2400
+    assert "-x DFLASH_TRT_CONTROL_DIR" in script and "preStop" in lc["lifecycle"]
     wc = worker["spec"]["containers"][0]
-    assert "/usr/sbin/sshd" in wc["command"][2] and "startupProbe" not in wc
+    assert "/usr/sbin/sshd" in wc["command"][2] and "startupProbe" not in wc and "lifecycle" not in wc
     (service,) = _kind(docs, "Service")
     assert service["spec"]["selector"]["app.kubernetes.io/component"] == "leader"
     (pm,) = _kind(docs, "PodMonitor")

@@ -59,6 +59,8 @@ SCHEMA_CASES = [
     ({"modelInit": {"download": {"repos": [{"repo": "a/b", "localDir": "relative/dir"}]}}}, "localDir"),
     ({"modelInit": {"mode": "copy"}}, "at '/modelInit/mode'"),
     ({"probes": {"startup": {"budgetSeconds": 0}}}, "at '/probes/startup/budgetSeconds'"),
+    ({"server": {"drainSeconds": -1}}, "at '/server/drainSeconds'"),
+    ({"terminationGracePeriodSeconds": 60}, "terminationGracePeriodSeconds"),
     ({"service": {"httpPort": 70000}}, "at '/service/httpPort'"),
     ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "at '/metrics/serviceMonitor/interval'"),
     (
@@ -187,11 +189,6 @@ FAIL_CASES = [
         r"maxUnavailable=1 and podDisruptionBudget.minAvailable=1 are both set",
     ),
     ("tiny-cpu", {"podDisruptionBudget": {"maxUnavailable": None}}, r"are both null; fix: set one of them"),
-    (
-        "tiny-cpu",
-        {"terminationGracePeriodSeconds": 10},
-        r"terminationGracePeriodSeconds=10 < server.exitTimeoutSeconds=30",
-    ),
     ("tiny-cpu", {"image": {"tag": ""}}, r"image.tag and image.digest are both empty"),
 ]
 

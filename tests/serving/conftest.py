@@ -52,6 +52,32 @@ def start_server(repo: Path, *, bundle: Path | None = None, env: dict[str, str] 
     return server
 
 
+def launch_serve(bundle: Path, *extra: str, timeout: float = 120):
+    """`dflash-trt serve` as users run it, on free ports; returns (process, {"http", "grpc", "metrics"} ports)
+    once /v2/health/ready answers 200. stderr is piped (read it with communicate())."""
+    import time
+
+    import httpx
+
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(bundle), "--http-port", str(http),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--quiet", *extra],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2).status_code == 200:
+                return proc, {"http": http, "grpc": grpc, "metrics": metrics}
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("serve never became ready")
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory) -> Path:
     return build_bundle(tmp_path_factory.mktemp("bundles") / "tiny")

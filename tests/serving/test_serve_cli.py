@@ -8,35 +8,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serving.conftest import free_ports
+from tests.serving.conftest import launch_serve
 
 pytestmark = pytest.mark.triton_server
 
 
 def launch(bundle, *extra):
-    http, grpc, metrics = free_ports(3)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(bundle), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--quiet", *extra],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2).status_code == 200:
-                return proc, http
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError("serve never became ready")
+    proc, ports = launch_serve(bundle, *extra)
+    return proc, ports["http"]
 
 
 def group_alive(pid: int) -> bool:
@@ -58,7 +42,7 @@ def test_serve_starts_serves_and_stops_cleanly(tiny_bundle, sig):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert "ready in" in err and "stopping tritonserver" in err
+    assert "ready in" in err and "draining" in err and "model finalized, tritonserver exit code 0" in err
     for pid in triton_pids:  # the server's process group (tritonserver + Python stub) is gone
         assert not group_alive(pid)
 

@@ -254,7 +254,10 @@ def test_client_disconnect_cancels_and_frees_the_slot(server):
         inputs.append(t)
     client.async_stream_infer("tensorrt_llm", inputs, request_id="long")
     assert got.wait(60)
-    assert metric_value(server, "dflash_requests_active") == 1
+    deadline = time.monotonic() + 5  # the gauge is the engine's own count, polled every 0.25 s
+    while metric_value(server, "dflash_requests_active") != 1:
+        assert time.monotonic() < deadline, "dflash_requests_active never counted the generating request"
+        time.sleep(0.05)
     t0 = time.monotonic()
     client.stop_stream(cancel_requests=True)  # the client goes away mid-stream
     client.close()
@@ -276,9 +279,12 @@ def test_burst_beyond_max_batch_size_queues(tmp_path):
         peak = [0.0]
         stop = threading.Event()
 
+        peak_active = [0.0]
+
         def poll():
             while not stop.is_set():
                 peak[0] = max(peak[0], metric_value(srv, "dflash_requests_queued"))
+                peak_active[0] = max(peak_active[0], metric_value(srv, "dflash_requests_active"))
                 time.sleep(0.05)
 
         def worker(i):
@@ -297,6 +303,7 @@ def test_burst_beyond_max_batch_size_queues(tmp_path):
         poller.join()
         assert results == [200] * 6
         assert peak[0] >= 1, "six requests on two slots never queued"
+        assert 1 <= peak_active[0] <= 2, "dflash_requests_active counts generating requests, not queued ones"
     finally:
         srv.stop()
 

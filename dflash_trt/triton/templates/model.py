@@ -15,6 +15,21 @@ engine `dflash_trt.LLM` (CPU or GPU). Both expose generate_async(prompt, Samplin
 streaming) returning an async iterable of outputs with .text, .text_diff, .token_ids,
 .finish_reason, .stop_reason and per-request perf metrics.
 
+Bounded work: the raw bytes of text_input are checked against max_prompt_bytes (triton_config; by
+default 32 bytes per token of the LLM's max_seq_len) before anything decodes or tokenizes them, and
+generate_async (which tokenizes and validates) runs on a worker thread, never on the event loop that
+serves every other request. Token-count and other semantic limits belong to the engine.
+
+Heartbeat: with $DFLASH_TRT_CONTROL_DIR set, the model's event loop touches `heartbeat` there every
+second; a stale heartbeat tells a supervisor (serve, the chart's liveness probe) that the stub is
+wedged.
+
+Drain: with $DFLASH_TRT_CONTROL_DIR set, the file `drain` appearing there (its content: the drain
+budget in seconds) puts the model into draining: new requests get UNAVAILABLE (HTTP 503), in-flight
+requests run on until the budget is spent, and whatever is left then ends with an explicit UNAVAILABLE
+error. Once nothing is in flight the model shuts its engine down and writes `drained` there;
+finalize() writes `finalized`.
+
 Streaming: like NVIDIA's model, each streamed response carries the *accumulated* text by default;
 a request that sets `streaming_delta: true` gets only the new text in each response instead.
 """
@@ -22,6 +37,8 @@ a request that sets `streaming_delta: true` gets only the new text in each respo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
@@ -80,8 +97,48 @@ PERF_OUTPUTS = (
 )
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+BYTES_PER_TOKEN = 32  # default max_prompt_bytes = BYTES_PER_TOKEN * max_seq_len
+DEFAULT_DRAIN_S = 30.0
+
+
 class RequestInputError(ValueError):
     """A bad request: answered with INVALID_ARG (HTTP 400); the model keeps serving."""
+
+
+class Unavailable(RuntimeError):
+    """The model cannot take the request now (draining): answered with UNAVAILABLE (HTTP 503)."""
+
+
+def _decode(value: Any, field: str) -> str:
+    """A wire string as text; invalid UTF-8 is a bad request naming the field."""
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestInputError(
+            f"{field} is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 text"
+        ) from None
+
+
+def _wire_int(value: Any, field: str) -> int:
+    """An integer wire value, range-checked for the INT32 inputs it travels in."""
+    item = int(value)
+    if not INT32_MIN < item <= INT32_MAX:
+        # Triton's HTTP front end stores JSON integers in the input's INT32 by truncation, so a
+        # value at the edge of the range most likely did not arrive as it was sent.
+        raise RequestInputError(
+            f"{field}={item}: outside the INT32 range of this input (over HTTP, Triton wraps JSON integers "
+            "beyond +-2147483647 silently); send a value within it"
+        )
+    return item
+
+
+def _set_running_loop(loop: asyncio.AbstractEventLoop | None) -> None:
+    # generate_async binds its handle to the *running* loop; on a worker thread we name the model's
+    # loop as running (asyncio's own helper, what loop.run_forever does) so its outputs reach us there.
+    asyncio.events._set_running_loop(loop)
 
 
 def _config_path() -> Path:
@@ -133,6 +190,15 @@ class TritonPythonModel:
         triton_cfg = cfg.pop("triton_config")
         self.engine_kind = triton_cfg.get("engine", "tensorrt_llm")
         self.check_period = float(triton_cfg.get("cancellation_check_period_ms", 100)) / 1000.0
+        max_seq_len = int(cfg.get("max_seq_len") or 4096)
+        self.max_prompt_bytes = int(triton_cfg.get("max_prompt_bytes") or BYTES_PER_TOKEN * max_seq_len)
+        self.control_dir = (
+            Path(os.environ["DFLASH_TRT_CONTROL_DIR"]) if os.environ.get("DFLASH_TRT_CONTROL_DIR") else None
+        )
+        self.drain_deadline: float | None = None  # time.monotonic() at which the drain budget ends
+        self.drain_budget = 0.0
+        self._drain_aborted: set[int] = set()  # id() of handles ended by the drain deadline
+        self._last_beat = -1e9
         root = Path(
             os.environ.get("DFLASH_TRT_BUNDLE_ROOT")
             or (_config_path().parent / triton_cfg.get("bundle_root", "."))
@@ -158,13 +224,20 @@ class TritonPythonModel:
         spec = cfg.get("speculative_config") or {}
         self.block_size = int(spec.get("max_draft_len", 0) if isinstance(spec, dict) else 0) + 1
         self._inflight: dict[str, list[Any]] = {}
+        self._handles: set[Any] = set()
+        # The embedded engine counts generating requests itself (its stats poll sets the gauge);
+        # otherwise the gauge counts requests in flight in this model.
+        self._engine_counts_active = self.engine_kind == "dflash_trt"
         self._active = 0
         self._lock = threading.Lock()
         self._setup_metrics()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-tokenize")
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run_loop, name="dflash-triton-loop", daemon=True)
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._poll_engine_stats(), self.loop)
+        if self.control_dir is not None:
+            asyncio.run_coroutine_threadsafe(self._watch_drain(), self.loop)
         pb_utils.Logger.log_info(
             f"{self.model_name}: engine={self.engine_kind}, decoupled={self.decoupled}, block={self.block_size}"
         )
@@ -223,7 +296,9 @@ class TritonPythonModel:
         )
         self.m_rounds = self.fam_rounds.Metric(labels=labels)
         self.fam_active = mf(
-            name="dflash_requests_active", description="Requests being generated by the model", kind=mf.GAUGE
+            name="dflash_requests_active",
+            description="Requests being generated (holding a batch slot; queued requests are dflash_requests_queued)",
+            kind=mf.GAUGE,
         )
         self.m_active = self.fam_active.Metric(labels=labels)
         self.fam_queued = mf(
@@ -278,6 +353,8 @@ class TritonPythonModel:
                 stats = self.llm.get_stats() if hasattr(self.llm, "get_stats") else None
                 if isinstance(stats, dict) and "waiting" in stats:
                     self.m_queued.set(float(stats["waiting"]))
+                    if "active" in stats:
+                        self.m_active.set(float(stats["active"]))
                     cap = float(stats.get("kv_capacity_tokens") or 0)
                     if cap:
                         self.m_kv.set(1.0 - float(stats.get("kv_free_tokens", cap)) / cap)
@@ -286,7 +363,18 @@ class TritonPythonModel:
                         self.m_round.observe(seconds)
             except Exception as exc:  # metrics must never take the model down
                 pb_utils.Logger.log_warn(f"engine stats poll failed: {exc}")
+            self._heartbeat()
             await asyncio.sleep(0.25)
+
+    def _heartbeat(self) -> None:
+        """Touch $DFLASH_TRT_CONTROL_DIR/heartbeat (at most once a second): a supervisor that sees it
+        go stale knows this stub is wedged even though Triton still reports it ready."""
+        now = time.monotonic()
+        if self.control_dir is None or now - self._last_beat < 1.0:
+            return
+        self._last_beat = now
+        with contextlib.suppress(OSError):
+            (self.control_dir / "heartbeat").touch()
 
     # --- requests -------------------------------------------------------------------------------
     def execute(self, requests):
@@ -298,6 +386,26 @@ class TritonPythonModel:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
+    def _prompt(self, request) -> str:
+        """text_input: exactly one string, its raw size bounded before it is decoded or tokenized."""
+        raw = self._read(request, "text_input")
+        if raw is None or raw.size == 0:
+            raise RequestInputError("text_input is required (a non-empty string)")
+        if raw.size != 1:
+            raise RequestInputError(f"text_input must hold exactly one string, got {raw.size} elements")
+        first = raw.reshape(-1)[0]
+        size = len(first) if isinstance(first, bytes) else len(str(first).encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise RequestInputError(
+                f"text_input is {size} bytes, over the limit of {self.max_prompt_bytes} "
+                "(triton_config.max_prompt_bytes; default 32 bytes per token of max_seq_len); "
+                "shorten the prompt or raise the limit"
+            )
+        prompt = _decode(first, "text_input")
+        if not prompt:
+            raise RequestInputError("text_input is empty")
+        return prompt
+
     def _parse(self, request) -> tuple[str, Any, bool, bool, dict[str, bool]]:
         params = json.loads(request.parameters() or "{}")
         unknown = sorted(k for k in params if not k.startswith("triton_"))
@@ -305,21 +413,7 @@ class TritonPythonModel:
             raise RequestInputError(
                 f"unknown parameter {unknown[0]!r}; inputs are text_input, streaming, sampling_param_*, return_*"
             )
-        raw = self._read(request, "text_input")
-        if raw is None or raw.size == 0:
-            raise RequestInputError("text_input is required (a non-empty string)")
-        first = raw.reshape(-1)[0]
-        if isinstance(first, bytes):
-            try:
-                prompt = first.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise RequestInputError(
-                    f"text_input is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                ) from None
-        else:
-            prompt = str(first)
-        if not prompt:
-            raise RequestInputError("text_input is empty")
+        prompt = self._prompt(request)
         kwargs: dict[str, Any] = {}
         for name, field in SAMPLING_INPUTS.items():
             value = self._read(request, name)
@@ -329,19 +423,33 @@ class TritonPythonModel:
                 raise RequestInputError(f"{name} is not supported by engine {self.engine_kind}")
             flat = value.reshape(-1)
             if field in LIST_FIELDS:
-                items = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in flat]
-                kwargs[field] = items
+                kwargs[field] = [
+                    _decode(v, name) if isinstance(v, bytes) else _wire_int(v, name)
+                    if value.dtype.kind in "iu" else v.item()
+                    for v in flat
+                ]  # fmt: skip
+                continue
+            if flat.size != 1:
+                raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}")
+            item = flat[0]
+            if isinstance(item, bytes):
+                kwargs[field] = _decode(item, name)
+            elif value.dtype.kind in "iu" and value.dtype.itemsize <= 4:
+                kwargs[field] = _wire_int(item, name)
             else:
-                if flat.size != 1:
-                    raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}")
-                item = flat[0]
-                kwargs[field] = item.decode("utf-8") if isinstance(item, bytes) else item.item()
-        flags = {
-            name: bool(v.reshape(-1)[0])
-            for name in ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
-                         "return_cumulative_logprob")
-            if (v := self._read(request, name)) is not None
-        }  # fmt: skip
+                kwargs[field] = item.item()
+        flags = {}
+        for name in ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
+                     "return_cumulative_logprob"):  # fmt: skip
+            v = self._read(request, name)
+            if v is None:
+                continue
+            if v.size != 1:
+                raise RequestInputError(f"{name} must hold exactly one value, got {v.size}")
+            flags[name] = bool(v.reshape(-1)[0])
+        for name in ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source"):
+            if self._read(request, name) is not None:
+                raise RequestInputError(f"{name} is not supported (text-only model, no LoRA adapters)")
         if flags.get("return_cumulative_logprob"):
             raise RequestInputError(
                 "return_cumulative_logprob is not supported (no log-probabilities are computed)"
@@ -353,15 +461,25 @@ class TritonPythonModel:
         kwargs["return_perf_metrics"] = True  # always measured: it feeds the DFlash metrics
         try:
             sampling = self.SamplingParams(**kwargs)
-            if hasattr(sampling, "check"):
-                sampling.check_supported()
-        except Exception as exc:  # TypeError/ValueError, or dflash-trt's RequestError (exit_code 2)
-            if isinstance(exc, (TypeError, ValueError)) or getattr(exc, "exit_code", None) == 2:
-                raise RequestInputError(str(exc)) from None
-            raise
+        except (TypeError, ValueError) as exc:
+            raise RequestInputError(str(exc)) from None
         flags["perf"] = want_metrics
         flags["include_input"] = getattr(sampling, "exclude_input_from_output", True) is False
         return prompt, sampling, streaming, want_metrics, flags
+
+    def _submit(self, prompt: str, sampling: Any, streaming: bool) -> Any:
+        """On a worker thread: generate_async tokenizes and validates (the engine's one place for
+        semantic checks); its handle still delivers outputs on the model's event loop."""
+        _set_running_loop(self.loop)
+        try:
+            return self.llm.generate_async(prompt, sampling, streaming=streaming)
+        except Exception as exc:
+            # The engine's request errors: dflash-trt's RequestError (exit_code 2), TensorRT-LLM's ValueError.
+            if getattr(exc, "exit_code", None) == 2 or isinstance(exc, ValueError):
+                raise RequestInputError(str(exc)) from None
+            raise
+        finally:
+            _set_running_loop(None)
 
     async def _serve(self, request) -> None:
         started = time.monotonic()
@@ -369,6 +487,10 @@ class TritonPythonModel:
         rid = request.request_id()
         handle = None
         try:
+            if self.drain_deadline is not None:
+                raise Unavailable(
+                    "the server is shutting down (draining) and takes no new requests; retry on another replica"
+                )
             prompt, sampling, streaming, want_metrics, flags = self._parse(request)
             if flags.get("stop"):
                 self._stop_by_id(rid)
@@ -379,16 +501,14 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 return
-            try:
-                handle = self.llm.generate_async(prompt, sampling, streaming=streaming)
-            except Exception as exc:
-                if getattr(exc, "exit_code", None) == 2 or isinstance(exc, ValueError):
-                    raise RequestInputError(str(exc)) from None
-                raise
+            handle = await self.loop.run_in_executor(self.pool, self._submit, prompt, sampling, streaming)
             with self._lock:
                 self._active += 1
                 self._inflight.setdefault(rid, []).append(handle)
-                self.m_active.set(float(self._active))
+                self._handles.add(handle)
+                self._set_active()
+            if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                self._abort_for_drain(handle)
             watcher = asyncio.ensure_future(self._watch_cancel(request, handle))
             seen = (0, 0)  # rounds and tokens already counted in the metrics
             last_token_at = None  # monotonic time of the latest new token (latency metrics)
@@ -410,7 +530,14 @@ class TritonPythonModel:
                             sender.send(self._response(output, comp, flags, want_metrics), flags=0)
                         continue
                     watcher.cancel()
-                    if cancelled or comp.finish_reason == "cancelled":
+                    if id(handle) in self._drain_aborted:
+                        self._send_error(
+                            sender,
+                            f"request aborted: the server shut down before it finished (drain budget "
+                            f"{self.drain_budget:g} s spent) after {seen[1]} generated tokens; retry it",
+                            pb_utils.TritonError.UNAVAILABLE,
+                        )
+                    elif cancelled or comp.finish_reason == "cancelled":
                         self._send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
                     elif getattr(output, "error", None):
                         self._send_error(sender, str(output.error), pb_utils.TritonError.INTERNAL)
@@ -424,6 +551,8 @@ class TritonPythonModel:
                 watcher.cancel()
         except RequestInputError as exc:
             self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except Unavailable as exc:
+            self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
         except Exception as exc:
             pb_utils.Logger.log_error(f"request {rid!r} failed: {type(exc).__name__}: {exc}")
             self._send_error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
@@ -436,7 +565,64 @@ class TritonPythonModel:
                         handles.remove(handle)
                     if not handles:
                         self._inflight.pop(rid, None)
-                    self.m_active.set(float(self._active))
+                    self._handles.discard(handle)
+                    self._drain_aborted.discard(id(handle))
+                    self._set_active()
+
+    def _set_active(self) -> None:
+        if not self._engine_counts_active:  # else the stats poll sets it from the engine's own count
+            self.m_active.set(float(self._active))
+
+    # --- drain ----------------------------------------------------------------------------------
+    async def _watch_drain(self) -> None:
+        """Polls $DFLASH_TRT_CONTROL_DIR/drain; once it exists, drains within the budget it holds."""
+        assert self.control_dir is not None
+        marker = self.control_dir / "drain"
+        while self.drain_deadline is None:
+            await asyncio.sleep(0.1)
+            with contextlib.suppress(OSError):
+                if marker.exists():
+                    text = marker.read_text().strip()
+                    try:
+                        budget = float(text) if text else DEFAULT_DRAIN_S
+                    except ValueError:
+                        budget = DEFAULT_DRAIN_S
+                    self.drain_budget = max(0.0, budget)
+                    self.drain_deadline = time.monotonic() + self.drain_budget
+        with self._lock:
+            n = len(self._handles)
+        pb_utils.Logger.log_info(
+            f"{self.model_name}: draining: {n} requests in flight, budget {self.drain_budget:g} s; "
+            "new requests get UNAVAILABLE"
+        )
+        while time.monotonic() < self.drain_deadline and self._in_flight():
+            await asyncio.sleep(0.05)
+        with self._lock:
+            left = list(self._handles)
+        for handle in left:
+            self._abort_for_drain(handle)
+        if left:
+            pb_utils.Logger.log_warn(
+                f"{self.model_name}: drain budget spent: aborted {len(left)} requests with an UNAVAILABLE error"
+            )
+        give_up = time.monotonic() + 10.0  # aborted requests end within a step; never wait forever
+        while self._in_flight() and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        # Nothing is in flight and nothing new is admitted: shut the engine down now rather than in
+        # finalize(), which Triton calls only once every client stream holding the model has closed
+        # (an idle gRPC stream can hold it until the process is killed).
+        await self.loop.run_in_executor(None, self.llm.shutdown)
+        (self.control_dir / "drained").write_text(f"aborted={len(left)} in_flight={self._in_flight()}\n")
+        pb_utils.Logger.log_info(f"{self.model_name}: drained ({len(left)} aborted); engine shut down")
+
+    def _in_flight(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def _abort_for_drain(self, handle: Any) -> None:
+        with self._lock:
+            self._drain_aborted.add(id(handle))
+        handle.abort()
 
     def _send_error(self, sender, message: str, code) -> None:
         try:
@@ -532,9 +718,22 @@ class TritonPythonModel:
                 tensors.append(pb_utils.Tensor(name, np.array([values[name]], dtype=dtype)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks(self.loop) if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def finalize(self) -> None:
         try:
             self.llm.shutdown()
         finally:
+            with contextlib.suppress(Exception):  # the background pollers end quietly
+                asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            if self.control_dir is not None:
+                with contextlib.suppress(OSError):
+                    (self.control_dir / "finalized").write_text(f"{time.time():.3f}\n")
+            pb_utils.Logger.log_info(f"{self.model_name}: finalized")

@@ -81,6 +81,20 @@ app.kubernetes.io/part-of: dflash-trt
 {{- end -}}
 {{- end -}}
 
+{{/*
+Shutdown timing, all derived from server.drainSeconds (plus the preStop sleep):
+  preStop:  sleep server.preStopSleepSeconds (endpoints and load balancers forget the pod), then ask
+            the model to drain (DFLASH_TRT_CONTROL_DIR/drain holds drainSeconds) and wait for its
+            `drained` marker, at most drainSeconds + 15 s
+  SIGTERM:  tritonserver has exitTimeoutSeconds to close idle connections and finalize the model
+  SIGKILL:  terminationGracePeriodSeconds = preStop sleep + drainSeconds + 15 + exit timeout + 5
+*/}}
+{{- define "dflash-trt.exitTimeoutSeconds" -}}10{{- end -}}
+{{- define "dflash-trt.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.server.preStopSleepSeconds) (int .Values.server.drainSeconds) 15 (include "dflash-trt.exitTimeoutSeconds" . | int) 5 -}}
+{{- end -}}
+{{- define "dflash-trt.controlDir" -}}/var/run/dflash-trt{{- end -}}
+
 {{/* The tritonserver arguments shared by the single-node server and the multi-node leader. */}}
 {{- define "dflash-trt.tritonArgs" -}}
 - --model-repository={{ include "dflash-trt.repositoryPath" . }}
@@ -89,7 +103,7 @@ app.kubernetes.io/part-of: dflash-trt
 - --metrics-port=8002
 - --allow-metrics=true
 - --log-verbose={{ int .Values.server.logVerbose }}
-- --exit-timeout-secs={{ int .Values.server.exitTimeoutSeconds }}
+- --exit-timeout-secs={{ include "dflash-trt.exitTimeoutSeconds" . }}
 {{- range .Values.server.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -97,6 +111,8 @@ app.kubernetes.io/part-of: dflash-trt
 
 {{/* Environment shared by every container that touches the bundle volume. */}}
 {{- define "dflash-trt.commonEnv" -}}
+- name: DFLASH_TRT_CONTROL_DIR
+  value: {{ include "dflash-trt.controlDir" . | quote }}
 - name: HF_HOME
   value: {{ include "dflash-trt.hfHome" . | quote }}
 {{- if .Values.hfToken.secretName }}

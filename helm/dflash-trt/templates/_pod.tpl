@@ -40,7 +40,7 @@ spec:
   {{- with $v.priorityClassName }}
   priorityClassName: {{ . }}
   {{- end }}
-  terminationGracePeriodSeconds: {{ int $v.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ include "dflash-trt.terminationGracePeriodSeconds" $root }}
   {{- with $v.podSecurityContext }}
   securityContext:
     {{- toYaml . | nindent 4 }}
@@ -190,7 +190,7 @@ spec:
           echo "leader: mpirun over $hosts"
           exec mpirun --allow-run-as-root -np $((LWS_GROUP_SIZE * {{ int $v.gpu.perNode }})) -H "$hosts" \
             --mca plm_rsh_args "$ssh_opts" \
-            -x PATH -x LD_LIBRARY_PATH -x HF_HOME{{ if $v.hfToken.secretName }} -x HF_TOKEN{{ end }} \
+            -x PATH -x LD_LIBRARY_PATH -x HF_HOME -x DFLASH_TRT_CONTROL_DIR{{ if $v.hfToken.secretName }} -x HF_TOKEN{{ end }} \
             "${mpi_extra[@]}" \
             trtllm-llmapi-launch tritonserver "$@"
         - leader
@@ -264,14 +264,44 @@ spec:
         failureThreshold: {{ int .failureThreshold }}
       {{- end }}
       {{- with $v.probes.liveness }}
+      # Triton keeps answering live and ready after its Python stub dies (every request then fails)
+      # or wedges, so liveness also asks for a live stub process and a fresh heartbeat from the model.
       livenessProbe:
-        httpGet:
-          path: /v2/health/live
-          port: http
+        exec:
+          command:
+            - /bin/bash
+            - -c
+            - |
+              alive=0
+              for f in /proc/[0-9]*/cmdline; do
+                case "$(tr '\0' ' ' < "$f" 2>/dev/null)" in *triton_python_backend_stu[b]*) alive=1; break ;; esac
+              done
+              if [ "$alive" != 1 ]; then echo "no live triton_python_backend_stub: the model's Python stub died" >&2; exit 1; fi
+              hb={{ include "dflash-trt.controlDir" $root }}/heartbeat
+              if [ -e "$hb" ] && [ $(( $(date +%s) - $(stat -c %Y "$hb") )) -gt 10 ]; then
+                echo "the model's heartbeat is stale: its Python stub is wedged" >&2; exit 1
+              fi
+              exec 3<>/dev/tcp/127.0.0.1/8000 || exit 1
+              printf 'GET /v2/health/live HTTP/1.0\r\n\r\n' >&3
+              head -n 1 <&3 | grep -q ' 200 ' || { echo "/v2/health/live is not 200" >&2; exit 1; }
         periodSeconds: {{ int .periodSeconds }}
         timeoutSeconds: {{ int .timeoutSeconds }}
         failureThreshold: {{ int .failureThreshold }}
       {{- end }}
+      # Drain before SIGTERM: new requests get 503, in-flight ones have server.drainSeconds, then
+      # whatever is left ends with an explicit error (see dflash-trt.terminationGracePeriodSeconds).
+      lifecycle:
+        preStop:
+          exec:
+            command:
+              - /bin/sh
+              - -c
+              - |
+                sleep {{ int $v.server.preStopSleepSeconds }}
+                d={{ include "dflash-trt.controlDir" $root }}
+                printf '%s\n' {{ int $v.server.drainSeconds }} > "$d/.drain.tmp" && mv "$d/.drain.tmp" "$d/drain"
+                end=$(( $(date +%s) + {{ add (int $v.server.drainSeconds) 15 }} ))
+                while [ ! -e "$d/drained" ] && [ ! -e "$d/finalized" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
       {{- end }}
       {{- with include "dflash-trt.gpuResources" $root | fromYaml }}
       resources:
@@ -292,6 +322,10 @@ spec:
           {{- end }}
         - name: dshm
           mountPath: /dev/shm
+        {{- if ne $role "worker" }}
+        - name: control
+          mountPath: {{ include "dflash-trt.controlDir" $root }}
+        {{- end }}
         {{- if $v.multiNode.enabled }}
         - name: ssh
           mountPath: /etc/dflash-trt/ssh
@@ -322,6 +356,10 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.shm.sizeLimit }}
+    # The drain handshake between the preStop hook and the model (drain / drained / finalized).
+    - name: control
+      emptyDir:
+        sizeLimit: 1Mi
     {{- if $v.multiNode.enabled }}
     - name: ssh
       secret:
