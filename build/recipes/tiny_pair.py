@@ -285,7 +285,7 @@ def stage_install(out: Path) -> None:
     assets = REPO / "dflash_trt" / "assets" / "tiny"
     keep = {
         "target": ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                   "tokenizer_config.json", "special_tokens_map.json", "training.json"),
+                   "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "training.json"),
         "drafter": ("config.json", "model.safetensors", "train_args.json", "eval.json"),
     }  # fmt: skip
     for part, names in keep.items():

@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Triton side of the front: one `ModelStreamInfer` stream per request through tritonclient's
+aio gRPC client.
+
+A request's stream carries exactly one request and ends with the response whose
+`triton_final_response` parameter is true. Cancelling the stream (the HTTP client went away)
+cancels the request in Triton; the model sees `is_cancelled()` and aborts the generation, freeing
+its slot and KV pages.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_trt.openai_front.protocol import Generation, OpenAIError
+
+# Speculative statistics read from the final response.
+STATS_OUTPUTS = ("mean_acceptance_length", "num_rounds", "total_accepted_draft_tokens", "total_draft_tokens",
+                 "acceptance_rate")  # fmt: skip
+# HTTP/2 servers commonly cap concurrent streams per connection at 100; stay below.
+STREAMS_PER_CHANNEL = 64
+# The model answers an internal failure as "<ExceptionType>: <message>"; a bad request plainly.
+_INTERNAL = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+@dataclass
+class Piece:
+    """One Triton response, as the front needs it."""
+
+    text: str
+    completion_tokens: int | None
+    prompt_tokens: int | None
+    finish_reason: str | None
+    final: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _scalar(result: Any, name: str) -> Any:
+    arr = result.as_numpy(name)
+    if arr is None or arr.size == 0:
+        return None
+    v = arr.reshape(-1)[0]
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    return v.item() if hasattr(v, "item") else v
+
+
+def model_error(message: str) -> OpenAIError:
+    """A request the model refused (before any output): 400 naming the field when the message does;
+    an internal failure: 500."""
+    if _INTERNAL.match(message):
+        return OpenAIError(f"the model failed: {message}", status=500, type="server_error")
+    param = "max_tokens" if "max_tokens" in message else "prompt" if "prompt" in message else None
+    return OpenAIError(message, param=param)
+
+
+class Upstream:
+    def __init__(self, url: str, model_name: str) -> None:
+        self.url = url
+        self.model_name = model_name
+        self._clients: list[Any] = []
+        self._active: list[int] = []
+
+    async def close(self) -> None:
+        for c in self._clients:
+            await c.close()
+        self._clients.clear()
+        self._active.clear()
+
+    def _pick(self) -> int:
+        import tritonclient.grpc.aio as grpcaio
+
+        if not self._clients or min(self._active) >= STREAMS_PER_CHANNEL:
+            self._clients.append(grpcaio.InferenceServerClient(self.url))
+            self._active.append(0)
+        return min(range(len(self._clients)), key=self._active.__getitem__)
+
+    async def ready(self) -> bool:
+        """Triton is up and the model is ready."""
+        i = self._pick()
+        try:
+            c = self._clients[i]
+            return bool(await c.is_server_ready()) and bool(await c.is_model_ready(self.model_name))
+        except Exception:
+            return False
+
+    def _inputs(self, gen: Generation) -> list[Any]:
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        values: list[tuple[str, str, Any]] = [
+            ("text_input", "BYTES", [(gen.prompt or "").encode("utf-8")]),
+            ("streaming", "BOOL", [gen.stream]),
+            ("sampling_param_max_tokens", "INT32", [gen.max_tokens]),
+            ("sampling_param_return_perf_metrics", "BOOL", [True]),
+            ("return_finish_reason", "BOOL", [True]),
+        ]
+        if gen.stream:
+            values.append(("streaming_delta", "BOOL", [True]))
+        if gen.temperature is not None:
+            values.append(("sampling_param_temperature", "FP32", [gen.temperature]))
+        if gen.top_p is not None:
+            values.append(("sampling_param_top_p", "FP32", [gen.top_p]))
+        if gen.top_k is not None:
+            values.append(("sampling_param_top_k", "INT32", [gen.top_k]))
+        if gen.seed is not None:
+            values.append(("sampling_param_seed", "UINT64", [gen.seed]))
+        if gen.stop:
+            values.append(("sampling_param_stop", "BYTES", [s.encode("utf-8") for s in gen.stop]))
+        if gen.stop_token_ids:
+            values.append(("sampling_param_stop_token_ids", "INT32", gen.stop_token_ids))
+        if gen.ignore_eos:
+            values.append(("sampling_param_ignore_eos", "BOOL", [True]))
+        if gen.min_tokens is not None:
+            values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
+        dtypes = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}
+        inputs = []
+        for name, dtype, data in values:
+            inp = grpcclient.InferInput(name, [len(data)], dtype)
+            inp.set_data_from_numpy(np.array(data, dtype=dtypes[dtype]))
+            inputs.append(inp)
+        return inputs
+
+    async def generate(self, gen: Generation, request_id: str) -> AsyncIterator[Piece]:
+        """Responses of one request; raises OpenAIError when Triton or the model refuses it.
+
+        Leaving the iteration early (or cancelling the task) cancels the request in Triton.
+        """
+        import grpc
+
+        inputs = self._inputs(gen)
+        i = self._pick()
+        self._active[i] += 1
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
+
+        call = self._clients[i].stream_infer(requests())
+        produced = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    msg = str(getattr(error, "message", lambda: None)() or error)
+                    if produced:
+                        raise OpenAIError(f"the model failed mid-stream: {msg}", status=500, type="server_error")
+                    raise model_error(msg)
+                final = bool(result.get_response().parameters["triton_final_response"].bool_param)
+                piece = Piece(
+                    text=_scalar(result, "text_output") or "",
+                    completion_tokens=_scalar(result, "num_output_tokens"),
+                    prompt_tokens=_scalar(result, "num_input_tokens"),
+                    finish_reason=_scalar(result, "finish_reason") if final else None,
+                    final=final,
+                )
+                if final:
+                    piece.stats = {k: _scalar(result, k) for k in STATS_OUTPUTS}
+                produced = True
+                yield piece
+                if final:
+                    return
+            raise OpenAIError("the Triton stream ended before the final response", status=502, type="server_error")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise OpenAIError(f"the Triton server at {self.url} is unavailable ({exc.details()})",
+                                  status=503, type="server_error") from None  # fmt: skip
+            raise OpenAIError(f"Triton gRPC {exc.code().name}: {exc.details()}", status=502,
+                              type="server_error") from None  # fmt: skip
+        finally:
+            self._active[i] -= 1
+            call.cancel()
