@@ -20,8 +20,9 @@ from dflash_trt.errors import DFlashTrtError
 TINY_NAME = "tiny"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
-# ChatML over the tiny tokenizer's own special tokens (the pair never saw chat data: the template
-# exists so chat paths -- `generate --chat`, the OpenAI front, openai-chat sweeps -- run on tiny).
+# ChatML over the tiny tokenizer's own special tokens, shipped as target/chat_template.jinja (the
+# pair never saw chat data: the template exists so chat paths -- `generate --chat`, the OpenAI
+# front, openai-chat sweeps -- run on tiny). build_byte_tokenizer() itself has no template.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -70,14 +71,12 @@ def build_byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
     )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def _bytes_to_unicode() -> dict[int, str]:

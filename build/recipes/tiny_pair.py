@@ -83,12 +83,13 @@ def stage_target(out: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_trt.tiny import build_byte_tokenizer
+    from dflash_trt.tiny import CHAT_TEMPLATE, build_byte_tokenizer
     from dflash_trt.training.corpus import read_text, split_stdlib
     from dflash_trt.training.target_lm import LMTrainConfig, save_target, token_stream, train_causal_lm
 
     torch.manual_seed(0)
     tok = build_byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE  # saved as chat_template.jinja next to the tokenizer
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     split = split_stdlib()
     train_texts = [t for t in map(read_text, split.train) if t]
