@@ -10,6 +10,7 @@ its slot and KV pages.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -139,7 +140,7 @@ class Upstream:
             yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
 
         call = self._clients[i].stream_infer(requests())
-        produced = False
+        produced = finished = False
         try:
             async for result, error in call:
                 if error is not None:
@@ -158,6 +159,9 @@ class Upstream:
                 if final:
                     piece.stats = {k: _scalar(result, k) for k in STATS_OUTPUTS}
                 produced = True
+                if final:
+                    finished = True
+                    await self._drain(call)
                 yield piece
                 if final:
                     return
@@ -170,4 +174,14 @@ class Upstream:
                               type="server_error") from None  # fmt: skip
         finally:
             self._active[i] -= 1
-            call.cancel()
+            if not finished:
+                call.cancel()  # the client left (or the request failed): Triton cancels the request
+
+    @staticmethod
+    async def _drain(call: Any) -> None:
+        """Let a finished stream end by itself: our half-close plus the final response make Triton
+        close it. (Cancelling a stream whose request already finished kept the model from unloading
+        at shutdown in Triton 2.51: its exit timeout expired.)"""
+        with contextlib.suppress(StopAsyncIteration):
+            async for _ in call:
+                pass
