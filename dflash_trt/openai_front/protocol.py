@@ -26,8 +26,16 @@ MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
-# The extension object that carries the DFlash statistics of one response.
+# The extension object that carries the DFlash statistics of one response: its keys, and the
+# Triton model output each comes from (clients such as `dflash-trt bench` map them back).
 DFLASH_FIELD = "dflash"
+DFLASH_STATS = {
+    "mean_acceptance_length": "mean_acceptance_length",  # tau: tokens per round, bonus included
+    "num_rounds": "num_rounds",
+    "accepted_draft_tokens": "total_accepted_draft_tokens",
+    "draft_tokens": "total_draft_tokens",
+    "acceptance_rate": "acceptance_rate",
+}
 
 
 class OpenAIError(Exception):
@@ -370,13 +378,7 @@ def usage(o: Outcome) -> dict[str, int]:
 def dflash_stats(o: Outcome) -> dict[str, Any]:
     """The `dflash` extension object: tau (tokens per round, bonus included), rounds, drafts."""
     s = {k: round(v, 6) if isinstance(v, float) else v for k, v in o.stats.items()}
-    return {
-        "mean_acceptance_length": s.get("mean_acceptance_length"),
-        "num_rounds": s.get("num_rounds"),
-        "accepted_draft_tokens": s.get("total_accepted_draft_tokens"),
-        "draft_tokens": s.get("total_draft_tokens"),
-        "acceptance_rate": s.get("acceptance_rate"),
-    }
+    return {key: s.get(output) for key, output in DFLASH_STATS.items()}
 
 
 def finish_reason(value: str | None) -> str | None:

@@ -16,11 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_trt.openai_front.protocol import Generation, OpenAIError
+from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
 
 # Speculative statistics read from the final response.
-STATS_OUTPUTS = ("mean_acceptance_length", "num_rounds", "total_accepted_draft_tokens", "total_draft_tokens",
-                 "acceptance_rate")  # fmt: skip
+STATS_OUTPUTS = tuple(DFLASH_STATS.values())
 # HTTP/2 servers commonly cap concurrent streams per connection at 100; stay below.
 STREAMS_PER_CHANNEL = 64
 # The model answers an internal failure as "<ExceptionType>: <message>"; a bad request plainly.

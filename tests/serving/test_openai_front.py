@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.triton_server
 PROMPT = "def fibonacci(n):\n"
 CHAT = "Write a function that adds two numbers."
 MAX_TOKENS = 24
+DATASET = Path(__file__).resolve().parents[2] / "bench" / "datasets" / "tiny-python-heldout.jsonl"
 
 
 class Served:
@@ -322,3 +324,31 @@ def test_port_in_use_is_a_usage_error(tiny_bundle, served) -> None:
         capture_output=True, text=True, timeout=60, env={**os.environ},
     )  # fmt: skip
     assert out.returncode == 2 and f"--openai-port={served.openai_port}: cannot listen" in out.stderr, out.stderr
+
+
+def test_bench_sweep_openai_protocols_agree_with_grpc(served, tmp_path) -> None:
+    """`dflash-trt bench sweep --protocol openai-chat / openai-completions` against the front, next to
+    the gRPC sweep of the same server: same chat-templated prompts, so at c=1 (greedy, no batching)
+    the token counts and tau are identical; tau comes from the `dflash` extension field."""
+    summaries = {}
+    for protocol, url in (("triton-grpc", f"127.0.0.1:{served.grpc}"), ("openai-chat", served.base),
+                          ("openai-completions", served.base)):  # fmt: skip
+        model = "tensorrt_llm" if protocol == "triton-grpc" else "tiny"
+        out = tmp_path / protocol
+        proc = subprocess.run(
+            [sys.executable, "-m", "dflash_trt", "bench", "sweep", "--url", url, "--protocol", protocol,
+             "--model", model, "--tokenizer", "tiny", "--chat", "--dataset", str(DATASET),
+             "--osl", "16", "--concurrency", "1", "--num-requests", "4", "--warmup", "1", "--out", str(out)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        summaries[protocol] = json.loads((out / "summary.json").read_text())
+    points = {p: s["points"][0] for p, s in summaries.items()}
+    for protocol, p in points.items():
+        assert p["num_errors"] == 0 and p["output_tokens_total"] == 4 * 16, (protocol, p)
+        assert p["isl_discrepancy_pct"] == 0.0, protocol  # the front's chat template = the client's
+    assert points["openai-chat"]["output_tokens_source"] == "usage"
+    tau = {p: pt["mean_acceptance_length"] for p, pt in points.items()}
+    assert tau["triton-grpc"] is not None and tau["triton-grpc"] > 1
+    assert tau["openai-chat"] == pytest.approx(tau["triton-grpc"], rel=1e-6)
+    assert tau["openai-completions"] == pytest.approx(tau["triton-grpc"], rel=1e-6)
