@@ -171,7 +171,8 @@ async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
 
 
 def _fold(out: P.Outcome, piece: Piece, *, delta: bool) -> None:
-    out.text = out.text + piece.text if delta else piece.text
+    if not delta:  # streamed text goes straight out; only a full response keeps it
+        out.text = piece.text
     if piece.completion_tokens is not None:
         out.completion_tokens = int(piece.completion_tokens)
     if piece.prompt_tokens is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +39,25 @@ class Piece:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _scalar(result: Any, name: str) -> Any:
-    arr = result.as_numpy(name)
-    if arr is None or arr.size == 0:
-        return None
-    v = arr.reshape(-1)[0]
-    if isinstance(v, bytes):
-        return v.decode("utf-8", errors="replace")
-    return v.item() if hasattr(v, "item") else v
+_FORMATS = {"BOOL": "<?", "INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q", "FP32": "<f", "FP64": "<d"}
+
+
+def _first_values(response: Any) -> dict[str, Any]:
+    """name -> first element of every output of a ModelInferResponse, read from the raw contents
+    (a struct unpack per output: cheaper than tritonclient's numpy deserialisation per chunk)."""
+    raws = response.raw_output_contents
+    out: dict[str, Any] = {}
+    for i, o in enumerate(response.outputs):
+        raw = raws[i] if i < len(raws) else b""
+        if not raw:
+            out[o.name] = None
+        elif o.datatype == "BYTES":
+            (n,) = struct.unpack_from("<I", raw)
+            out[o.name] = raw[4 : 4 + n].decode("utf-8", errors="replace")
+        else:
+            fmt = _FORMATS.get(o.datatype)
+            out[o.name] = struct.unpack_from(fmt, raw)[0] if fmt else None
+    return out
 
 
 def model_error(message: str) -> OpenAIError:
@@ -147,16 +159,18 @@ class Upstream:
                     if produced:
                         raise OpenAIError(f"the model failed mid-stream: {msg}", status=500, type="server_error")
                     raise model_error(msg)
-                final = bool(result.get_response().parameters["triton_final_response"].bool_param)
+                response = result.get_response()
+                final = bool(response.parameters["triton_final_response"].bool_param)
+                values = _first_values(response)
                 piece = Piece(
-                    text=_scalar(result, "text_output") or "",
-                    completion_tokens=_scalar(result, "num_output_tokens"),
-                    prompt_tokens=_scalar(result, "num_input_tokens"),
-                    finish_reason=_scalar(result, "finish_reason") if final else None,
+                    text=values.get("text_output") or "",
+                    completion_tokens=values.get("num_output_tokens"),
+                    prompt_tokens=values.get("num_input_tokens"),
+                    finish_reason=values.get("finish_reason") if final else None,
                     final=final,
                 )
                 if final:
-                    piece.stats = {k: _scalar(result, k) for k in STATS_OUTPUTS}
+                    piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
                 produced = True
                 if final:
                     finished = True
