@@ -25,6 +25,7 @@ from typing import Any
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engines' own default, all-None, would be greedy)
 
 # The extension object that carries the DFlash statistics of one response: its keys, and the
 # Triton model output each comes from (clients such as `dflash-trt bench` map them back).
@@ -199,7 +200,8 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         raise bad("model", model, "is not served here", f"send one of {', '.join(served)} (GET /v1/models)",
                   code="model_not_found")  # fmt: skip
     gen.model = model
-    gen.temperature = _float(body, "temperature", lo=0.0, hi=MAX_TEMPERATURE, fix="0 is greedy; at most 2")
+    temperature = _float(body, "temperature", lo=0.0, hi=MAX_TEMPERATURE, fix="0 is greedy; at most 2")
+    gen.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
     gen.top_p = _float(body, "top_p", lo=0.0, hi=1.0, lo_open=True, fix="send a value in (0, 1], 1 = off")
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's "off"

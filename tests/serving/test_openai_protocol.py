@@ -13,7 +13,7 @@ SERVED = ["tiny"]
 
 def test_completions_defaults_follow_openai() -> None:
     g = P.parse_completions({"model": "tiny", "prompt": ["hello"]}, SERVED, max_seq_len=64)
-    assert (g.prompt, g.max_tokens, g.temperature, g.stream, g.include_usage) == ("hello", 16, None, False, False)
+    assert (g.prompt, g.max_tokens, g.temperature, g.stream, g.include_usage) == ("hello", 16, 1.0, False, False)
     assert g.stop == [] and g.stop_token_ids == [] and not g.ignore_eos
 
 
