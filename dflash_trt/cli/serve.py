@@ -129,7 +129,9 @@ def serve(
         )
         if front is not None:
             front.start()
-            click.echo(f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True)
+            click.echo(
+                f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True
+            )
         while not stop.wait(0.5):
             if server.proc is not None and server.proc.poll() is not None:
                 raise click.ClickException(

@@ -158,7 +158,11 @@ async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
         # The first response decides the status: a request the model refuses is a 400, not an SSE error.
         first = await anext(pieces)
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
         )
         await resp.prepare(request)
         try:
@@ -187,7 +191,12 @@ async def _event(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
 
 
 async def _stream(
-    resp: web.StreamResponse, gen: P.Generation, rid: str, created: int, first: Piece, rest: AsyncIterator[Piece]
+    resp: web.StreamResponse,
+    gen: P.Generation,
+    rid: str,
+    created: int,
+    first: Piece,
+    rest: AsyncIterator[Piece],
 ) -> None:
     out = P.Outcome()
     role = gen.kind == "chat"  # the first chat chunk carries the assistant role
@@ -293,4 +302,3 @@ class FrontThread:
                 fut.result(SHUTDOWN_GRACE_S + 10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-

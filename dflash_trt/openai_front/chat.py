@@ -26,7 +26,9 @@ def tokenizer_source(bundle: Path, manifest: dict[str, Any]) -> str:
     try:
         args = yaml.safe_load(llm_api.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise UsageError(f"{llm_api}: cannot read the LLM-API arguments ({exc})", hint="rebuild the bundle") from exc
+        raise UsageError(
+            f"{llm_api}: cannot read the LLM-API arguments ({exc})", hint="rebuild the bundle"
+        ) from exc
     ref = args.get("tokenizer") or args.get("model")
     if not isinstance(ref, str) or not ref:
         raise UsageError(f"{llm_api}: names no tokenizer or model", hint="rebuild the bundle")
@@ -46,7 +48,8 @@ class ChatTemplate:
             from transformers import AutoTokenizer
         except ImportError as exc:  # pragma: no cover - transformers is in the torch extra
             raise UsageError(
-                "the OpenAI front needs `transformers` for the chat template", hint="pip install 'dflash-trt[torch]'"
+                "the OpenAI front needs `transformers` for the chat template",
+                hint="pip install 'dflash-trt[torch]'",
             ) from exc
         try:
             tok = AutoTokenizer.from_pretrained(source)

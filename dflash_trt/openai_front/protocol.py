@@ -173,11 +173,18 @@ def _int(body: dict[str, Any], key: str, *, lo: int, hi: int | None = None, fix:
     return v
 
 
-def _float(body: dict[str, Any], key: str, *, lo: float, hi: float, lo_open: bool = False, fix: str) -> float | None:
+def _float(
+    body: dict[str, Any], key: str, *, lo: float, hi: float, lo_open: bool = False, fix: str
+) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v <= hi and (v > lo if lo_open else v >= lo)
+    ok = (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v <= hi
+        and (v > lo if lo_open else v >= lo)
+    )
     if not ok:
         raise bad(key, v, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", fix)
     return float(v)
@@ -195,7 +202,9 @@ def _bool(body: dict[str, Any], key: str, *, prefix: str = "") -> bool:
 def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad("model", model, "is required (a string)", f"send one of {', '.join(served)} (GET /v1/models)")
+        raise bad(
+            "model", model, "is required (a string)", f"send one of {', '.join(served)} (GET /v1/models)"
+        )
     if model not in served:
         raise bad("model", model, "is not served here", f"send one of {', '.join(served)} (GET /v1/models)",
                   code="model_not_found")  # fmt: skip
@@ -231,7 +240,9 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
     opts = body.get("stream_options")
     if opts is not None:
         if not gen.stream:
-            raise bad("stream_options", opts, "is only allowed with stream=true", "omit it or send stream=true")
+            raise bad(
+                "stream_options", opts, "is only allowed with stream=true", "omit it or send stream=true"
+            )
         if not isinstance(opts, dict):
             raise bad("stream_options", opts, "must be an object", 'send e.g. {"include_usage": true}')
         for key in opts:
@@ -303,7 +314,9 @@ def parse_chat(body: Any, served: list[str], *, max_seq_len: int | None = None) 
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
-            raise bad("chat_template_kwargs", kwargs, "must be an object", 'send e.g. {"enable_thinking": false}')
+            raise bad(
+                "chat_template_kwargs", kwargs, "must be an object", 'send e.g. {"enable_thinking": false}'
+            )
         reserved = {"messages", "add_generation_prompt", "tokenize", "conversation", "tools"} & set(kwargs)
         if reserved:
             key = sorted(reserved)[0]
@@ -332,7 +345,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise bad(where, m, "must be an object with role and content", 'send {"role": "user", "content": "..."}')
+            raise bad(
+                where, m, "must be an object with role and content", 'send {"role": "user", "content": "..."}'
+            )
         role = m.get("role")
         if role not in _ROLES:
             why = "tool messages need tool calling, which is not supported" if role in ("tool", "function") else \
@@ -345,13 +360,19 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
                     raise bad(f"{where}.content[{j}]", part, "only text parts are supported",
                               'send {"type": "text", "text": "..."}')  # fmt: skip
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise bad(f"{where}.content", content, "must be a string or a list of text parts", "send text content")
+            raise bad(
+                f"{where}.content", content, "must be a string or a list of text parts", "send text content"
+            )
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
@@ -374,7 +395,11 @@ class Outcome:
 
 def usage(o: Outcome) -> dict[str, int]:
     p = o.prompt_tokens or 0
-    return {"prompt_tokens": p, "completion_tokens": o.completion_tokens, "total_tokens": p + o.completion_tokens}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": p + o.completion_tokens,
+    }
 
 
 def dflash_stats(o: Outcome) -> dict[str, Any]:
@@ -432,7 +457,13 @@ def chunk(
             choices.append({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
         else:
             choices.append({"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish})
-    out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": gen.model, "choices": choices}
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": gen.model,
+        "choices": choices,
+    }
     if gen.include_usage or gen.continuous_usage:
         out["usage"] = usage_obj
     if stats is not None:

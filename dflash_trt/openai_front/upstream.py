@@ -39,7 +39,15 @@ class Piece:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-_FORMATS = {"BOOL": "<?", "INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q", "FP32": "<f", "FP64": "<d"}
+_FORMATS = {
+    "BOOL": "<?",
+    "INT32": "<i",
+    "UINT32": "<I",
+    "INT64": "<q",
+    "UINT64": "<Q",
+    "FP32": "<f",
+    "FP64": "<d",
+}
 
 
 def _first_values(response: Any) -> dict[str, Any]:
@@ -128,7 +136,13 @@ class Upstream:
             values.append(("sampling_param_ignore_eos", "BOOL", [True]))
         if gen.min_tokens is not None:
             values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
-        dtypes = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}
+        dtypes = {
+            "BYTES": np.object_,
+            "BOOL": np.bool_,
+            "INT32": np.int32,
+            "FP32": np.float32,
+            "UINT64": np.uint64,
+        }
         inputs = []
         for name, dtype, data in values:
             inp = grpcclient.InferInput(name, [len(data)], dtype)
@@ -157,7 +171,9 @@ class Upstream:
                 if error is not None:
                     msg = str(getattr(error, "message", lambda: None)() or error)
                     if produced:
-                        raise OpenAIError(f"the model failed mid-stream: {msg}", status=500, type="server_error")
+                        raise OpenAIError(
+                            f"the model failed mid-stream: {msg}", status=500, type="server_error"
+                        )
                     raise model_error(msg)
                 response = result.get_response()
                 final = bool(response.parameters["triton_final_response"].bool_param)
@@ -178,7 +194,9 @@ class Upstream:
                 yield piece
                 if final:
                     return
-            raise OpenAIError("the Triton stream ended before the final response", status=502, type="server_error")
+            raise OpenAIError(
+                "the Triton stream ended before the final response", status=502, type="server_error"
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 raise OpenAIError(f"the Triton server at {self.url} is unavailable ({exc.details()})",

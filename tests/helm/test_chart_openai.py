@@ -51,7 +51,9 @@ def test_sidecar_service_port_and_probes(helm_binary: Path) -> None:
     rendered = _render(values, helm_binary=helm_binary, kube_version="1.29.0")
     docs = rendered.documents
     (service,) = [d for d in docs if d["kind"] == "Service"]
-    assert {"name": "openai", "port": 80, "targetPort": "openai", "protocol": "TCP"} in service["spec"]["ports"]
+    assert {"name": "openai", "port": 80, "targetPort": "openai", "protocol": "TCP"} in service["spec"][
+        "ports"
+    ]
     triton, front = _pod_specs(docs)["server"]["containers"]
     assert (triton["name"], front["name"]) == ("triton", "openai")
     assert front["image"] == triton["image"]  # openai.image empty: the server image

@@ -33,7 +33,13 @@ DATASET = Path(__file__).resolve().parents[2] / "bench" / "datasets" / "tiny-pyt
 
 class Served:
     def __init__(self, proc: subprocess.Popen, http: int, grpc: int, metrics: int, openai_port: int) -> None:
-        self.proc, self.http, self.grpc, self.metrics, self.openai_port = proc, http, grpc, metrics, openai_port
+        self.proc, self.http, self.grpc, self.metrics, self.openai_port = (
+            proc,
+            http,
+            grpc,
+            metrics,
+            openai_port,
+        )
         self.base = f"http://127.0.0.1:{openai_port}"
 
     def metric(self, name: str) -> float:
@@ -126,7 +132,9 @@ def test_completions_greedy_matches_generate(client, reference_texts) -> None:
 
 def test_chat_greedy_matches_generate_chat(client, reference_texts) -> None:
     msgs = [{"role": "user", "content": CHAT}]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=MAX_TOKENS, temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_completion_tokens=MAX_TOKENS, temperature=0
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == reference_texts["chat"]
     chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
@@ -156,7 +164,9 @@ def test_usage_counts_server_tokens_not_chunks(client) -> None:
 def test_stop_strings_and_stop_token_ids(client, reference_texts) -> None:
     ref = reference_texts["completions"]
     stop = ref[5:8]
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref[: ref.index(stop)]
     # stop token ids (extension): the byte of the 3rd generated character
@@ -206,11 +216,18 @@ BAD_CHAT = [
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
-    ({"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}},
-     "chat_template_kwargs.add_generation_prompt"),
-    ({"stream": True, "stream_options": {"include_obfuscation": False}}, "stream_options.include_obfuscation"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0]",
+    ),
+    (
+        {"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}},
+        "chat_template_kwargs.add_generation_prompt",
+    ),
+    (
+        {"stream": True, "stream_options": {"include_obfuscation": False}},
+        "stream_options.include_obfuscation",
+    ),
 ]
 
 
@@ -221,7 +238,11 @@ def test_completions_errors_are_400_naming_the_field(client, kwargs, param) -> N
         client.completions.create(**body)
     err = info.value.body
     assert info.value.status_code == 400 and err["param"] == param, err
-    assert err["type"] == "invalid_request_error" and param.split(".")[0] in err["message"] and "fix:" in err["message"]
+    assert (
+        err["type"] == "invalid_request_error"
+        and param.split(".")[0] in err["message"]
+        and "fix:" in err["message"]
+    )
 
 
 @pytest.mark.parametrize(("kwargs", "param"), BAD_CHAT, ids=[p for _, p in BAD_CHAT])
@@ -323,7 +344,9 @@ def test_port_in_use_is_a_usage_error(tiny_bundle, served) -> None:
          str(served.openai_port), "--triton-url", f"127.0.0.1:{served.grpc}"],
         capture_output=True, text=True, timeout=60, env={**os.environ},
     )  # fmt: skip
-    assert out.returncode == 2 and f"--openai-port={served.openai_port}: cannot listen" in out.stderr, out.stderr
+    assert out.returncode == 2 and f"--openai-port={served.openai_port}: cannot listen" in out.stderr, (
+        out.stderr
+    )
 
 
 def test_bench_sweep_openai_protocols_agree_with_grpc(served, tmp_path) -> None:

@@ -13,7 +13,13 @@ SERVED = ["tiny"]
 
 def test_completions_defaults_follow_openai() -> None:
     g = P.parse_completions({"model": "tiny", "prompt": ["hello"]}, SERVED, max_seq_len=64)
-    assert (g.prompt, g.max_tokens, g.temperature, g.stream, g.include_usage) == ("hello", 16, 1.0, False, False)
+    assert (g.prompt, g.max_tokens, g.temperature, g.stream, g.include_usage) == (
+        "hello",
+        16,
+        1.0,
+        False,
+        False,
+    )
     assert g.stop == [] and g.stop_token_ids == [] and not g.ignore_eos
 
 
@@ -34,7 +40,10 @@ def test_extensions_and_aliases() -> None:
     )  # fmt: skip
     assert c.max_tokens == 5
     assert c.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
-    assert P.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, SERVED).max_tokens is None
+    assert (
+        P.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, SERVED).max_tokens
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,8 +55,10 @@ def test_extensions_and_aliases() -> None:
         ({"prompt": "p", "model": "tiny", "max_tokens": 65}, "max_tokens"),
         ({"prompt": "p", "model": "tiny", "temperature": 2.5}, "temperature"),
         ({"prompt": "p", "model": "tiny", "stop": ["a"] * 17}, "stop"),
-        ({"prompt": "p", "model": "tiny", "stream": True, "stream_options": {"include_usage": 1}},
-         "stream_options.include_usage"),
+        (
+            {"prompt": "p", "model": "tiny", "stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+        ),
         ({"prompt": "p", "model": "tiny", "tool_choice": "auto"}, "tool_choice"),
         ({"prompt": None, "model": "tiny"}, "prompt"),
     ],
@@ -63,7 +74,9 @@ def test_refusals_name_the_field(body, param) -> None:
 def test_model_errors_are_classified() -> None:
     e = model_error("prompt has 3000 tokens, not below max_seq_len=2048; fix: shorten the prompt")
     assert (e.status, e.param) == (400, "prompt")
-    e = model_error("prompt of 10 tokens + max_tokens=4000 exceeds max_seq_len=2048; fix: use max_tokens <= 2038")
+    e = model_error(
+        "prompt of 10 tokens + max_tokens=4000 exceeds max_seq_len=2048; fix: use max_tokens <= 2038"
+    )
     assert (e.status, e.param) == (400, "max_tokens")
     e = model_error("RuntimeError: CUDA error: an illegal memory access was encountered")
     assert (e.status, e.type) == (500, "server_error")
