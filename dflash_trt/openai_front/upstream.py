@@ -1,21 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Triton side of the front: one `ModelStreamInfer` stream per request through tritonclient's
-aio gRPC client.
+"""The Triton side of the front: `ModelStreamInfer` streams through tritonclient's aio gRPC client.
 
-A request's stream carries exactly one request and ends with the response whose
-`triton_final_response` parameter is true. Cancelling the stream (the HTTP client went away)
-cancels the request in Triton; the model sees `is_cancelled()` and aborts the generation, freeing
-its slot and KV pages.
+A stream carries one request at a time and is reused by the next request once the response whose
+`triton_final_response` parameter is true has arrived (a new RPC per request cost the front ~3 ms
+of CPU). Cancelling a stream (the HTTP client went away mid-request) cancels its request in
+Triton; the model sees `is_cancelled()` and aborts the generation, freeing its slot and KV pages.
+Streams whose request has finished are never cancelled, only half-closed: cancelling a finished
+stream kept Triton 2.51 from unloading the model at shutdown (its exit timeout expired).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 
 from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
 
@@ -77,40 +84,94 @@ def model_error(message: str) -> OpenAIError:
     return OpenAIError(message, param=param)
 
 
+class _Stream:
+    """A long-lived `ModelStreamInfer` stream carrying one request at a time.
+
+    A finished request leaves its stream open for the next one (one message per request instead of
+    a new RPC). Requests never overlap on a stream, so every response belongs to the request in
+    flight; a request abandoned mid-way cancels its stream, which cancels the request in Triton.
+    """
+
+    def __init__(self, client: Any, slot: int) -> None:
+        self.slot = slot
+        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.call = client.stream_infer(self._requests())
+
+    async def _requests(self) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    def send(self, request: dict[str, Any]) -> None:
+        self._queue.put_nowait(request)
+
+    async def read(self) -> tuple[Any, Any]:
+        return await self.call.__anext__()
+
+    def end(self) -> None:
+        """Half-close: Triton ends the stream once nothing is in flight (no cancellation)."""
+        self._queue.put_nowait(None)
+
+
 class Upstream:
     def __init__(self, url: str, model_name: str) -> None:
         self.url = url
         self.model_name = model_name
         self._clients: list[Any] = []
-        self._active: list[int] = []
+        self._streams: list[int] = []  # open streams (busy + idle) per client
+        self._idle: list[_Stream] = []
 
     async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for stream in idle:
+            stream.end()
+        for stream in idle:  # let Triton close them; cancelling finished streams is avoided (see _Stream)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drain(stream), 5)
         for c in self._clients:
             await c.close()
         self._clients.clear()
-        self._active.clear()
+        self._streams.clear()
 
-    def _pick(self) -> int:
-        import tritonclient.grpc.aio as grpcaio
+    @staticmethod
+    async def _drain(stream: _Stream) -> None:
+        with contextlib.suppress(StopAsyncIteration):
+            while True:
+                await stream.read()
 
-        if not self._clients or min(self._active) >= STREAMS_PER_CHANNEL:
+    def _client(self) -> int:
+        """The client (one gRPC channel each) with the fewest open streams; a new one when all
+        are at STREAMS_PER_CHANNEL."""
+        if not self._clients or min(self._streams) >= STREAMS_PER_CHANNEL:
             self._clients.append(grpcaio.InferenceServerClient(self.url))
-            self._active.append(0)
-        return min(range(len(self._clients)), key=self._active.__getitem__)
+            self._streams.append(0)
+        return min(range(len(self._clients)), key=self._streams.__getitem__)
+
+    def _acquire(self) -> _Stream:
+        if self._idle:
+            return self._idle.pop()
+        i = self._client()
+        self._streams[i] += 1
+        return _Stream(self._clients[i], i)
+
+    def _release(self, stream: _Stream, *, reusable: bool) -> None:
+        if reusable and stream.slot < len(self._clients):
+            self._idle.append(stream)
+            return
+        if stream.slot < len(self._streams):
+            self._streams[stream.slot] -= 1
 
     async def ready(self) -> bool:
         """Triton is up and the model is ready."""
-        i = self._pick()
         try:
-            c = self._clients[i]
+            c = self._clients[self._client()]
             return bool(await c.is_server_ready()) and bool(await c.is_model_ready(self.model_name))
         except Exception:
             return False
 
     def _inputs(self, gen: Generation) -> list[Any]:
-        import numpy as np
-        import tritonclient.grpc as grpcclient
-
         values: list[tuple[str, str, Any]] = [
             ("text_input", "BYTES", [(gen.prompt or "").encode("utf-8")]),
             ("streaming", "BOOL", [gen.stream]),
@@ -153,66 +214,66 @@ class Upstream:
     async def generate(self, gen: Generation, request_id: str) -> AsyncIterator[Piece]:
         """Responses of one request; raises OpenAIError when Triton or the model refuses it.
 
-        Leaving the iteration early (or cancelling the task) cancels the request in Triton.
+        Leaving the iteration early (or cancelling the task) cancels the request in Triton. A
+        reused stream that turns out dead (Triton restarted) is retried once on a new one.
         """
-        import grpc
-
         inputs = self._inputs(gen)
-        i = self._pick()
-        self._active[i] += 1
-
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
-
-        call = self._clients[i].stream_infer(requests())
-        produced = finished = False
-        try:
-            async for result, error in call:
-                if error is not None:
-                    msg = str(getattr(error, "message", lambda: None)() or error)
-                    if produced:
-                        raise OpenAIError(
-                            f"the model failed mid-stream: {msg}", status=500, type="server_error"
-                        )
-                    raise model_error(msg)
-                response = result.get_response()
-                final = bool(response.parameters["triton_final_response"].bool_param)
-                values = _first_values(response)
-                piece = Piece(
-                    text=values.get("text_output") or "",
-                    completion_tokens=values.get("num_output_tokens"),
-                    prompt_tokens=values.get("num_input_tokens"),
-                    finish_reason=values.get("finish_reason") if final else None,
-                    final=final,
-                )
-                if final:
-                    piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
-                produced = True
-                if final:
-                    finished = True
-                    await self._drain(call)
-                yield piece
-                if final:
-                    return
-            raise OpenAIError(
-                "the Triton stream ended before the final response", status=502, type="server_error"
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise OpenAIError(f"the Triton server at {self.url} is unavailable ({exc.details()})",
-                                  status=503, type="server_error") from None  # fmt: skip
-            raise OpenAIError(f"Triton gRPC {exc.code().name}: {exc.details()}", status=502,
-                              type="server_error") from None  # fmt: skip
-        finally:
-            self._active[i] -= 1
-            if not finished:
-                call.cancel()  # the client left (or the request failed): Triton cancels the request
-
-    @staticmethod
-    async def _drain(call: Any) -> None:
-        """Let a finished stream end by itself: our half-close plus the final response make Triton
-        close it. (Cancelling a stream whose request already finished kept the model from unloading
-        at shutdown in Triton 2.51: its exit timeout expired.)"""
-        with contextlib.suppress(StopAsyncIteration):
-            async for _ in call:
-                pass
+        request = {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
+        for attempt in (0, 1):
+            reused = bool(self._idle)
+            stream = self._acquire()
+            reusable = finished = produced = False
+            try:
+                stream.send(request)
+                while True:
+                    result, error = await stream.read()
+                    if error is not None:
+                        finished = True  # Triton's error response is the request's last
+                        msg = str(getattr(error, "message", lambda: None)() or error)
+                        if produced:
+                            raise OpenAIError(
+                                f"the model failed mid-stream: {msg}", status=500, type="server_error"
+                            )
+                        raise model_error(msg)
+                    response = result.get_response()
+                    final = bool(response.parameters["triton_final_response"].bool_param)
+                    values = _first_values(response)
+                    piece = Piece(
+                        text=values.get("text_output") or "",
+                        completion_tokens=values.get("num_output_tokens"),
+                        prompt_tokens=values.get("num_input_tokens"),
+                        finish_reason=values.get("finish_reason") if final else None,
+                        final=final,
+                    )
+                    produced = True
+                    if final:
+                        piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
+                        finished = reusable = True
+                        self._release(stream, reusable=True)  # before the yield: the consumer may stop
+                        yield piece
+                        return
+                    yield piece
+            except (StopAsyncIteration, grpc.aio.AioRpcError) as exc:
+                finished = True
+                if reused and not produced and attempt == 0:
+                    continue  # a stale stream: once more on a fresh one
+                if isinstance(exc, StopAsyncIteration):
+                    raise OpenAIError(
+                        "the Triton stream ended before the final response", status=502, type="server_error"
+                    ) from None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise OpenAIError(
+                        f"the Triton server at {self.url} is unavailable ({exc.details()})",
+                        status=503,
+                        type="server_error",
+                    ) from None
+                raise OpenAIError(
+                    f"Triton gRPC {exc.code().name}: {exc.details()}", status=502, type="server_error"
+                ) from None
+            finally:
+                if not reusable:
+                    if finished:
+                        stream.end()  # the request is over: close the stream without cancelling it
+                    else:
+                        stream.call.cancel()  # the client left: Triton cancels the request
+                    self._release(stream, reusable=False)
