@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import re
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +211,7 @@ class Upstream:
             inputs.append(inp)
         return inputs
 
-    async def generate(self, gen: Generation, request_id: str) -> AsyncIterator[Piece]:
+    async def generate(self, gen: Generation, request_id: str) -> AsyncGenerator[Piece, None]:
         """Responses of one request; raises OpenAIError when Triton or the model refuses it.
 
         Leaving the iteration early (or cancelling the task) cancels the request in Triton. A
