@@ -90,12 +90,17 @@ def client(served):
 
 
 def _generate(*extra: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "dflash_trt", "generate", "--target", "tiny", "--max-new-tokens", str(MAX_TOKENS),
-         "--json", *extra],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(out.stdout)["text"]
+    """`dflash-trt generate --json` in this process (one torch import, not one per call)."""
+    import contextlib
+    import io
+
+    from dflash_trt.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--target", "tiny", "--max-new-tokens", str(MAX_TOKENS), "--json", *extra])
+    assert exit_info.value.code == 0
+    return json.loads(out.getvalue())["text"]
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +354,7 @@ def test_port_in_use_is_a_usage_error(tiny_bundle, served) -> None:
     )
 
 
+@pytest.mark.slow
 def test_bench_sweep_openai_protocols_agree_with_grpc(served, tmp_path) -> None:
     """`dflash-trt bench sweep --protocol openai-chat / openai-completions` against the front, next to
     the gRPC sweep of the same server: same chat-templated prompts, so at c=1 (greedy, no batching)
@@ -375,3 +381,49 @@ def test_bench_sweep_openai_protocols_agree_with_grpc(served, tmp_path) -> None:
     assert tau["triton-grpc"] is not None and tau["triton-grpc"] > 1
     assert tau["openai-chat"] == pytest.approx(tau["triton-grpc"], rel=1e-6)
     assert tau["openai-completions"] == pytest.approx(tau["triton-grpc"], rel=1e-6)
+
+
+def test_non_streaming_disconnect_aborts_too(served) -> None:
+    import socket
+
+    before = served.metric("dflash_output_tokens_total")
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", served.openai_port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 20
+        while served.metric("dflash_requests_active") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert served.metric("dflash_requests_active") == 1
+    deadline = time.monotonic() + 10
+    while served.metric("dflash_requests_active") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert served.metric("dflash_requests_active") == 0
+    assert served.metric("dflash_output_tokens_total") - before < 750
+
+
+def test_sigterm_lets_in_flight_requests_finish(served, tiny_bundle) -> None:
+    """Shutdown stops listening, then waits for in-flight requests (up to 30 s) before exiting."""
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(tiny_bundle), "--openai-port", str(port),
+         "--triton-url", f"127.0.0.1:{served.grpc}"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait_health(proc, f"http://127.0.0.1:{port}/health", timeout=60)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if not events:
+                    proc.send_signal(signal.SIGTERM)  # mid-request
+                events.append(line[5:].strip())
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 400
+    finally:
+        err = _stop(proc) if proc.poll() is None else proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, err
