@@ -9,6 +9,7 @@ chat request leaves out max_tokens (the default is what the context leaves).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,11 @@ class ChatTemplate:
                 f"tokenizer={source!r}: cannot load it for the chat template ({type(exc).__name__}: {first})",
                 hint="make the bundle's tokenizer reachable (HF_HOME / network), or run without --openai-port",
             ) from exc
-        return cls(tok, source)
+        chat = cls(tok, source)
+        if chat.available:  # compile the template now, not on the first request
+            with contextlib.suppress(OpenAIError):
+                chat.render([{"role": "user", "content": "warm-up"}], {})
+        return chat
 
     def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         if not self.available:
