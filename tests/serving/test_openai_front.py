@@ -313,10 +313,17 @@ def test_front_only_mode_fronts_a_running_triton(served, tiny_bundle, reference_
     assert proc.returncode == 0 and "stopping the OpenAI front" in err, err
 
 
-def test_front_health_is_503_without_triton(tiny_bundle) -> None:
+def test_front_without_triton_or_chat_template(tiny_bundle, tmp_path) -> None:
+    """/health is 503 and requests are 503 while Triton is unreachable; a tokenizer without a chat
+    template makes chat requests a 400 (and the front says so at start)."""
+    import shutil
+
+    bundle = tmp_path / "no-template"
+    shutil.copytree(tiny_bundle, bundle, symlinks=True)
+    (bundle / "engine" / "checkpoints" / "target" / "chat_template.jinja").unlink()
     port, dead = free_ports(2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(tiny_bundle), "--openai-port", str(port),
+        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(bundle), "--openai-port", str(port),
          "--triton-url", f"127.0.0.1:{dead}"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -326,8 +333,13 @@ def test_front_health_is_503_without_triton(tiny_bundle) -> None:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                        json={"model": "tiny", "prompt": "x", "max_tokens": 2})  # fmt: skip
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "chat_template_missing" and err["param"] == "messages"
     finally:
-        _stop(proc)
+        err_text = _stop(proc)
+    assert "has no chat template" in err_text
 
 
 @pytest.mark.parametrize(
