@@ -80,3 +80,14 @@ def test_multi_node_only_the_leader_gets_the_front() -> None:
 def test_schema_refuses_a_port_that_collides_with_triton(port: int) -> None:
     with pytest.raises(UsageError, match="openai/port"):
         _render(_with_openai("tiny-cpu", port=port))
+
+
+def test_helm_test_pod_for_the_front() -> None:
+    docs = _render(_with_openai("tiny-cpu", servicePort=9100)).documents
+    pods = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Pod"}
+    pod = pods[f"{RELEASE}-dflash-trt-test-openai"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["OPENAI_URL"] == f"http://{RELEASE}-dflash-trt:9100/v1"
+    assert not any(n.endswith("test-openai") for n in (d["metadata"]["name"] for d in
+                   _render(load_value_set("tiny-cpu")).documents if d["kind"] == "Pod"))  # fmt: skip

@@ -439,3 +439,26 @@ def test_sigterm_lets_in_flight_requests_finish(served, tiny_bundle) -> None:
     finally:
         err = _stop(proc) if proc.poll() is None else proc.communicate(timeout=60)[1]
     assert proc.returncode == 0, err
+
+
+@pytest.mark.helm
+def test_the_charts_helm_test_script_passes_against_the_front(served) -> None:
+    """The chart's `helm test` pod for the front (templates/tests/test-openai.yaml), its shell
+    script run here with curl against the real front instead of the Service."""
+    import shutil
+
+    from dflash_trt.deploy import chart as deploy
+
+    if shutil.which("curl") is None:
+        pytest.fail("curl is needed to run the chart's test script")
+    chart = Path(__file__).resolve().parents[2] / "helm" / "dflash-trt"
+    docs = deploy.render_chart({"openai": {"enabled": True}}, chart_dir=chart).documents
+    pod = next(d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"].endswith("test-openai"))
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    env["OPENAI_URL"] = served.base + "/v1"
+    run = subprocess.run(
+        container["command"], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert '"completion_tokens"' in run.stdout
