@@ -138,8 +138,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         else:
             left = cfg.max_seq_len - chat.count(gen.prompt)
             if left < 1:
-                raise P.bad("messages", f"<{cfg.max_seq_len - left} tokens>", f"fill the context (max_seq_len="
-                            f"{cfg.max_seq_len})", "send shorter messages")  # fmt: skip
+                raise P.bad("messages", f"<{cfg.max_seq_len - left} tokens>", "leave no room for output "
+                            f"in the context (max_seq_len={cfg.max_seq_len})", "send shorter messages")  # fmt: skip
             gen.max_tokens = left
     return await _run(request, gen)
 

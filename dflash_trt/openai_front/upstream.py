@@ -75,12 +75,12 @@ def _first_values(response: Any) -> dict[str, Any]:
     return out
 
 
-def model_error(message: str) -> OpenAIError:
-    """A request the model refused (before any output): 400 naming the field when the message does;
-    an internal failure: 500."""
+def model_error(message: str, *, prompt_param: str = "prompt") -> OpenAIError:
+    """A request the model refused (before any output): 400 naming the field when the message does
+    (`prompt_param`: what carries the prompt in the OpenAI request); an internal failure: 500."""
     if _INTERNAL.match(message):
         return OpenAIError(f"the model failed: {message}", status=500, type="server_error")
-    param = "max_tokens" if "max_tokens" in message else "prompt" if "prompt" in message else None
+    param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
     return OpenAIError(message, param=param)
 
 
@@ -234,7 +234,7 @@ class Upstream:
                             raise OpenAIError(
                                 f"the model failed mid-stream: {msg}", status=500, type="server_error"
                             )
-                        raise model_error(msg)
+                        raise model_error(msg, prompt_param="messages" if gen.kind == "chat" else "prompt")
                     response = result.get_response()
                     final = bool(response.parameters["triton_final_response"].bool_param)
                     values = _first_values(response)

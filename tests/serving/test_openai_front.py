@@ -267,6 +267,15 @@ def test_raw_http_errors_and_the_server_keeps_serving(served, client) -> None:
     # the model itself refuses a prompt longer than max_seq_len (2048): 400 naming the prompt
     r = post("/v1/completions", json={"model": "tiny", "prompt": "x" * 2100, "max_tokens": 4, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    long_chat = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 2000}]}
+    r = post("/v1/chat/completions", json={**long_chat, "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = post("/v1/chat/completions", json=long_chat)  # no max_tokens: what the context leaves
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 2048, r.text
+    r = post(
+        "/v1/chat/completions", json={**long_chat, "messages": [{"role": "user", "content": "x" * 2100}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     r = httpx.get(served.base + "/v1/nothing", timeout=10)
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.get(served.base + "/v1/completions", timeout=10)
