@@ -200,6 +200,7 @@ async def _stream(
 ) -> None:
     out = P.Outcome()
     role = gen.kind == "chat"  # the first chat chunk carries the assistant role
+    holdback = P.StopHoldback(gen.stop) if gen.stop else None  # Triton then sends accumulated text
 
     async def pieces() -> AsyncIterator[Piece]:
         yield first
@@ -208,6 +209,8 @@ async def _stream(
 
     async for piece in pieces():
         _fold(out, piece, delta=True)
+        if holdback is not None:
+            piece.text = holdback.delta(piece.text, final=piece.final)
         running = P.usage(out) if gen.continuous_usage else None
         if piece.final:
             fr = P.finish_reason(out.finish_reason) or "stop"

@@ -377,6 +377,37 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+class StopHoldback:
+    """Streamed text with stop strings: the engine's accumulated text in, safe deltas out.
+
+    The engine cuts the final text at a stop string, but a streamed delta cannot be taken back, so
+    the tail of the text that could still become a stop string is held back until the next
+    response settles it (vLLM does the same). Feed it the accumulated text of each response.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.sent = 0
+
+    def delta(self, accumulated: str, *, final: bool) -> str:
+        end = len(accumulated) if final else len(accumulated) - self._undecided(accumulated)
+        if end <= self.sent:
+            return ""
+        out = accumulated[self.sent : end]
+        self.sent = end
+        return out
+
+    def _undecided(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
 # ---------------------------------------------------------------------------------------- responses
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex

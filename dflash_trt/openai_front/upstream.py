@@ -127,9 +127,11 @@ class Upstream:
         idle, self._idle = self._idle, []
         for stream in idle:
             stream.end()
-        for stream in idle:  # let Triton close them; cancelling finished streams is avoided (see _Stream)
+        if idle:  # let Triton close them (finished streams are never cancelled: see the module doc)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._drain(stream), 5)
+                await asyncio.wait_for(
+                    asyncio.gather(*(self._drain(s) for s in idle), return_exceptions=True), 5
+                )
         for c in self._clients:
             await c.close()
         self._clients.clear()
@@ -179,7 +181,7 @@ class Upstream:
             ("sampling_param_return_perf_metrics", "BOOL", [True]),
             ("return_finish_reason", "BOOL", [True]),
         ]
-        if gen.stream:
+        if gen.stream and not gen.stop:  # with stop strings the front cuts deltas itself (StopHoldback)
             values.append(("streaming_delta", "BOOL", [True]))
         if gen.temperature is not None:
             values.append(("sampling_param_temperature", "FP32", [gen.temperature]))

@@ -174,6 +174,10 @@ def test_stop_strings_and_stop_token_ids(client, reference_texts) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == ref[: ref.index(stop)]
+    chunks = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == ref[: ref.index(stop)]
     # stop token ids (extension): the byte of the 3rd generated character
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"stop_token_ids": [ord(ref[2])]})  # fmt: skip

@@ -98,3 +98,14 @@ def test_response_and_chunk_shapes() -> None:
     last = P.chunk(g, "chatcmpl-1", 0, text=None, usage_obj=P.usage(o), no_choice=True)
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
     assert P.finish_reason("None") is None and P.finish_reason("length") == "length"
+
+
+def test_stop_holdback_never_streams_a_stop_string_prefix() -> None:
+    h = P.StopHoldback(["END", "\n\n"])
+    assert h.delta("abc E", final=False) == "abc "  # "E" may start "END"
+    assert h.delta("abc EN", final=False) == ""
+    assert h.delta("abc ENx", final=False) == "ENx"  # not a stop after all
+    assert h.delta("abc ENx\n", final=False) == ""
+    assert h.delta("abc ENx", final=True) == ""  # the engine cut the text at "\n\n"
+    h = P.StopHoldback(["END"])
+    assert h.delta("ab", final=False) == "ab" and h.delta("abcd", final=True) == "cd"
