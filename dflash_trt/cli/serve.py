@@ -89,6 +89,10 @@ def serve(
         )
     if triton_url is not None and openai_port is None:
         raise UsageError(f"--triton-url={triton_url!r} needs --openai-port", hint="add --openai-port 9000")
+    if openai_model_name is not None and openai_port is None:
+        raise UsageError(
+            f"--openai-model-name={openai_model_name!r} needs --openai-port", hint="add --openai-port 9000"
+        )
     manifest = load_manifest(bundle)
     front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url)
     if triton_url is not None:

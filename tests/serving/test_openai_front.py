@@ -360,6 +360,7 @@ def test_front_without_triton_or_chat_template(tiny_bundle, tmp_path) -> None:
     [
         (["--triton-url", "127.0.0.1:1"], "--triton-url='127.0.0.1:1' needs --openai-port"),
         (["--openai-port", "8000"], "--openai-port=8000 is taken by Triton"),
+        (["--openai-model-name", "m"], "--openai-model-name='m' needs --openai-port"),
     ],
 )
 def test_serve_openai_usage_errors(tiny_bundle, args, message) -> None:
