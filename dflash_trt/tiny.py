@@ -20,6 +20,13 @@ from dflash_trt.errors import DFlashTrtError
 TINY_NAME = "tiny"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
+# ChatML over the tiny tokenizer's own special tokens, shipped as target/chat_template.jinja (the
+# pair never saw chat data: the template exists so chat paths -- `generate --chat`, the OpenAI
+# front, openai-chat sweeps -- run on tiny). build_byte_tokenizer() itself has no template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # What must be present for the pair to load.
 _REQUIRED = {
     "target": ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"),

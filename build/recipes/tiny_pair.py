@@ -83,12 +83,13 @@ def stage_target(out: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_trt.tiny import build_byte_tokenizer
+    from dflash_trt.tiny import CHAT_TEMPLATE, build_byte_tokenizer
     from dflash_trt.training.corpus import read_text, split_stdlib
     from dflash_trt.training.target_lm import LMTrainConfig, save_target, token_stream, train_causal_lm
 
     torch.manual_seed(0)
     tok = build_byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE  # saved as chat_template.jinja next to the tokenizer
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     split = split_stdlib()
     train_texts = [t for t in map(read_text, split.train) if t]
@@ -285,7 +286,7 @@ def stage_install(out: Path) -> None:
     assets = REPO / "dflash_trt" / "assets" / "tiny"
     keep = {
         "target": ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                   "tokenizer_config.json", "special_tokens_map.json", "training.json"),
+                   "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "training.json"),
         "drafter": ("config.json", "model.safetensors", "train_args.json", "eval.json"),
     }  # fmt: skip
     for part, names in keep.items():

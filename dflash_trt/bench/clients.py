@@ -26,6 +26,7 @@ from typing import Any
 from dflash_trt.bench.metrics import RawResult
 from dflash_trt.bench.workload import Prompt
 from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.openai_front.protocol import DFLASH_FIELD, DFLASH_STATS
 from dflash_trt.triton.kserve import decode_first_raw, decode_first_typed, encode_raw
 
 PROTOCOLS = ("triton-grpc", "triton-http", "openai-completions", "openai-chat")
@@ -666,6 +667,12 @@ class OpenAIClient(_HttpClient):
                 fr = choices[0].get("finish_reason")
                 if fr:
                     raw.finish_reason = str(fr)
+            stats = obj.get(DFLASH_FIELD)  # dflash-trt's OpenAI front: per-request DFlash statistics
+            if isinstance(stats, dict):
+                for key, output in DFLASH_STATS.items():
+                    v = _number(stats.get(key))
+                    if v is not None:
+                        raw.spec[output] = v
             usage = obj.get("usage")
             count = None
             if isinstance(usage, dict):

@@ -36,6 +36,24 @@ HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is
               "period minus any preStop delay.")  # fmt: skip
 @click.option("--log-verbose", type=click.IntRange(0, 3), default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="Do not forward the server log to stderr.")
+@click.option(
+    "--openai-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Also serve OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models on this port "
+    "(off by default; 9000 is the usual choice). Forwards to the model over Triton gRPC.",
+)
+@click.option(
+    "--openai-model-name",
+    metavar="NAME",
+    help="Model id of the OpenAI endpoints [default: the bundle's name].",
+)
+@click.option(
+    "--triton-url",
+    metavar="HOST:PORT",
+    help="With --openai-port: front an already running Triton's gRPC endpoint instead of starting "
+    "tritonserver (the Helm chart's sidecar).",
+)
 def serve(
     bundle: Path,
     host: str,
@@ -47,6 +65,9 @@ def serve(
     drain_timeout: float,
     log_verbose: int,
     quiet: bool,
+    openai_port: int | None,
+    openai_model_name: str | None,
+    triton_url: str | None,
 ) -> None:
     """Start tritonserver on the bundle's model repository and supervise it until Ctrl-C / SIGTERM.
 
@@ -60,9 +81,13 @@ def serve(
     Uses the `tritonserver` on PATH (NGC images) or else the binary inside the nvidia-pytriton
     wheel, so it runs for real on a CPU machine with a `torch` (embedded engine) bundle.
 
+    With --openai-port the OpenAI-compatible front runs in this process next to tritonserver
+    (docs/serving.md, "OpenAI-compatible endpoints").
+
     \b
     Example:
       dflash-trt build --target tiny --output /tmp/tiny && dflash-trt serve --bundle /tmp/tiny
+      dflash-trt serve --bundle /tmp/tiny --openai-port 9000
     """
     import tempfile
 
@@ -74,7 +99,24 @@ def serve(
         raise UsageError(
             f"ports must differ: --http-port={http_port} --grpc-port={grpc_port} --metrics-port={metrics_port}"
         )
+    if openai_port is not None and triton_url is None and openai_port in (http_port, grpc_port, metrics_port):
+        raise UsageError(
+            f"--openai-port={openai_port} is taken by Triton (--http-port={http_port} --grpc-port={grpc_port} "
+            f"--metrics-port={metrics_port})",
+            hint="pick another port, e.g. --openai-port 9000",
+        )
+    if triton_url is not None and openai_port is None:
+        raise UsageError(f"--triton-url={triton_url!r} needs --openai-port", hint="add --openai-port 9000")
+    if openai_model_name is not None and openai_port is None:
+        raise UsageError(
+            f"--openai-model-name={openai_model_name!r} needs --openai-port", hint="add --openai-port 9000"
+        )
     manifest = load_manifest(bundle)
+    front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url)
+    if triton_url is not None:
+        assert front is not None
+        _front_only(front)
+        return
     repo = bundle_path(bundle, manifest, "model_repository")
     env = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())}
     tmp = tempfile.TemporaryDirectory(prefix="dflash-serve-")
@@ -115,6 +157,11 @@ def serve(
         stubs = server.watch_stubs()
         if not stubs:
             click.echo("warning: found no Python-backend stub process to watch", err=True)
+        if front is not None:
+            front.start()
+            click.echo(
+                f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True
+            )
         while not stop.wait(WATCH_PERIOD_S):
             if server.proc is not None and server.proc.poll() is not None:
                 raise click.ClickException(
@@ -137,6 +184,10 @@ def serve(
                     f"the model's heartbeat is {age:.0f} s old (its Python stub is wedged); tritonserver "
                     "would keep reporting ready while requests hang, so it was stopped; restart serve"
                 )
+            if front is not None and not front.alive():
+                raise click.ClickException("the OpenAI front stopped unexpectedly")
+        if front is not None:
+            front.stop()  # first: in-flight OpenAI requests finish (or are cancelled) while Triton is up
         click.echo(f"draining: new requests refused, in-flight ones get up to {drain_timeout:g} s", err=True)
         outcome, took = server.drain(drain_timeout)
         code = server.proc.returncode if server.proc is not None else None
@@ -144,6 +195,8 @@ def serve(
                "from finalizing it)", "timeout": "model did NOT report drained"}[outcome]  # fmt: skip
         click.echo(f"stopped in {took:.1f} s: {how}, tritonserver exit code {code}", err=True)
     finally:
+        if front is not None:
+            front.stop()  # idempotent; here for the error paths
         server.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -151,6 +204,47 @@ def serve(
     # Exit 0 when every request ended explicitly and the engine shut down cleanly. tritonserver itself
     # may have been killed after that (an idle gRPC stream holds it; see TritonServer.drain).
     sys.exit(0 if (outcome == "finalized" and code == 0) or outcome == "drained" else 1)
+
+
+def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, triton_url):
+    """The OpenAI front's thread (not started), or None without --openai-port."""
+    if openai_port is None:
+        return None
+    from dflash_trt.openai_front.app import FrontConfig, FrontThread
+    from dflash_trt.openai_front.chat import ChatTemplate, tokenizer_source
+
+    chat = ChatTemplate.load(tokenizer_source(bundle, manifest))
+    if not chat.available:
+        click.echo(f"note: the tokenizer {chat.source} has no chat template: /v1/chat/completions answers 400",
+                   err=True)  # fmt: skip
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    cfg = FrontConfig(
+        triton_url=triton_url or f"{local}:{grpc_port}",
+        triton_model=manifest["serving"]["model_name"],
+        served_names=[model_name or manifest["name"]],
+        host=host,
+        port=openai_port,
+        max_seq_len=(manifest.get("limits") or {}).get("max_seq_len"),
+    )
+    return FrontThread(cfg, chat)
+
+
+def _front_only(front) -> None:
+    """--triton-url: run only the front until SIGINT/SIGTERM."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        front.start()
+        click.echo(f"OpenAI-compatible endpoints on {front.url}/v1 -> Triton gRPC {front.cfg.triton_url} "
+                   f"(model {front.cfg.served_names[0]})", err=True)  # fmt: skip
+        while not stop.wait(0.5):
+            if not front.alive():
+                raise click.ClickException("the OpenAI front stopped unexpectedly")
+        click.echo("stopping the OpenAI front", err=True)
+    finally:
+        front.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _without_drafter(repo: Path, out: Path) -> Path:

@@ -142,7 +142,10 @@ class ModelRunner:
             # On CPU, inductor's own C++ GEMM templates (max_autotune, CPP backend) replace small BLAS calls
             # whose dispatch costs more than their arithmetic at these sizes (tiny, batch 1: 3.4 -> 2.4 ms a
             # plain step). The instance attribute shadows the method for every caller.
-            options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+            options: dict[str, str | int | bool] = {
+                "max_autotune": True,
+                "max_autotune_gemm_backends": "CPP,ATEN",
+            }
             self._round_core = torch.compile(  # type: ignore[method-assign]
                 self._round_core, dynamic=True, options=options if self.device.type == "cpu" else None
             )

@@ -334,6 +334,10 @@ spec:
         {{- with $v.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+    {{- /* OpenAI-compatible front sidecar (issue 15): templates/_openai.tpl */}}
+    {{- if and $v.openai.enabled (ne $role "worker") }}
+    {{- include "dflash-trt.openaiContainer" $root | nindent 4 }}
+    {{- end }}
   volumes:
     - name: bundle
       {{- if eq $v.storage.type "emptyDir" }}

@@ -1,0 +1,307 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The aiohttp application: routes, SSE streaming, errors in OpenAI's shape, disconnects.
+
+Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
+`POST /v1/chat/completions`, `GET /health` (200 when Triton and the model are ready, else 503:
+the readiness probe), `GET /health/live` (the front's event loop answers: the liveness probe).
+
+A client that disconnects cancels its handler (`handler_cancellation=True`), which closes the
+upstream generator, which cancels the Triton stream: the model aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from dflash_trt.errors import UsageError
+from dflash_trt.openai_front import protocol as P
+from dflash_trt.openai_front.chat import ChatTemplate
+from dflash_trt.openai_front.upstream import Piece, Upstream
+
+log = logging.getLogger(__name__)
+
+KEY_CFG: web.AppKey[FrontConfig] = web.AppKey("cfg")
+KEY_UP: web.AppKey[Upstream] = web.AppKey("upstream")
+KEY_CHAT: web.AppKey[ChatTemplate | None] = web.AppKey("chat")
+SHUTDOWN_GRACE_S = 30.0  # in-flight requests get this long to finish on shutdown, then are cancelled
+
+
+@dataclass
+class FrontConfig:
+    triton_url: str  # host:port of Triton's gRPC endpoint
+    triton_model: str  # the Triton model name
+    served_names: list[str]  # OpenAI model ids (the first is listed by /v1/models)
+    host: str = "127.0.0.1"
+    port: int = 9000
+    max_seq_len: int | None = None
+    created: int = field(default_factory=P.now)
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except P.OpenAIError as exc:
+        return _json(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        msg = f"{request.method} {request.path}: {exc.reason}"
+        if exc.status == 404:
+            msg += "; fix: use /v1/models, /v1/completions or /v1/chat/completions"
+        return _json({"error": {"message": msg, "type": kind, "param": None, "code": None}}, exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("request %s %s failed", request.method, request.path)
+        err = P.OpenAIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error")
+        return _json(err.body(), 500)
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise P.OpenAIError(
+            f"the request body is not valid JSON ({exc}); fix: send a JSON object", param=None
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------- routes
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[KEY_CFG]
+    return _json({"object": "list", "data": [_model_card(cfg, n) for n in cfg.served_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    cfg = request.app[KEY_CFG]
+    name = request.match_info["model"]
+    if name not in cfg.served_names:
+        raise P.OpenAIError(
+            f"model={name!r}: not served here; fix: use one of {', '.join(cfg.served_names)}",
+            param="model", status=404, type="not_found_error", code="model_not_found",
+        )  # fmt: skip
+    return _json(_model_card(cfg, name))
+
+
+def _model_card(cfg: FrontConfig, name: str) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": cfg.created, "owned_by": "dflash-trt"}
+    if cfg.max_seq_len:
+        card["max_model_len"] = cfg.max_seq_len
+    return card
+
+
+async def health(request: web.Request) -> web.Response:
+    ok = await request.app[KEY_UP].ready()
+    return _json({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+
+
+async def live(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    cfg = request.app[KEY_CFG]
+    gen = P.parse_completions(await _body(request), cfg.served_names, max_seq_len=cfg.max_seq_len)
+    return await _run(request, gen)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    cfg = request.app[KEY_CFG]
+    gen = P.parse_chat(await _body(request), cfg.served_names, max_seq_len=cfg.max_seq_len)
+    chat = request.app[KEY_CHAT]
+    if chat is None:
+        raise P.OpenAIError(
+            "messages: this front was started without a tokenizer, so it has no chat template; "
+            "fix: use /v1/completions, or start it with the bundle", param="messages", code="chat_template_missing",
+        )  # fmt: skip
+    assert gen.messages is not None
+    gen.prompt = chat.render(gen.messages, gen.chat_template_kwargs)
+    if gen.max_tokens is None:
+        if cfg.max_seq_len is None:
+            gen.max_tokens = P.COMPLETIONS_DEFAULT_MAX_TOKENS
+        else:
+            left = cfg.max_seq_len - chat.count(gen.prompt)
+            if left < 1:
+                raise P.bad("messages", f"<{cfg.max_seq_len - left} tokens>", "leave no room for output "
+                            f"in the context (max_seq_len={cfg.max_seq_len})", "send shorter messages")  # fmt: skip
+            gen.max_tokens = left
+    return await _run(request, gen)
+
+
+# ---------------------------------------------------------------------------------------- generation
+async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
+    rid = P.new_id(gen.kind)
+    created = P.now()
+    pieces = request.app[KEY_UP].generate(gen, rid)
+    async with contextlib.aclosing(pieces):
+        if not gen.stream:
+            out = P.Outcome()
+            async for piece in pieces:
+                _fold(out, piece, delta=False)
+            return _json(P.full_response(gen, rid, created, out))
+        # The first response decides the status: a request the model refuses is a 400, not an SSE error.
+        first = await anext(pieces)
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await resp.prepare(request)
+        try:
+            await _stream(resp, gen, rid, created, first, pieces)
+        except P.OpenAIError as exc:  # a failure after the headers went out: an SSE error event
+            await _event(resp, exc.body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _fold(out: P.Outcome, piece: Piece, *, delta: bool) -> None:
+    if not delta:  # streamed text goes straight out; only a full response keeps it
+        out.text = piece.text
+    if piece.completion_tokens is not None:
+        out.completion_tokens = int(piece.completion_tokens)
+    if piece.prompt_tokens is not None:
+        out.prompt_tokens = int(piece.prompt_tokens)
+    if piece.final:
+        out.finish_reason = piece.finish_reason
+        out.stats = piece.stats
+
+
+async def _event(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _stream(
+    resp: web.StreamResponse,
+    gen: P.Generation,
+    rid: str,
+    created: int,
+    first: Piece,
+    rest: AsyncIterator[Piece],
+) -> None:
+    out = P.Outcome()
+    role = gen.kind == "chat"  # the first chat chunk carries the assistant role
+    holdback = P.StopHoldback(gen.stop) if gen.stop else None  # Triton then sends accumulated text
+
+    async def pieces() -> AsyncIterator[Piece]:
+        yield first
+        async for p in rest:
+            yield p
+
+    async for piece in pieces():
+        _fold(out, piece, delta=True)
+        if holdback is not None:
+            piece.text = holdback.delta(piece.text, final=piece.final)
+        running = P.usage(out) if gen.continuous_usage else None
+        if piece.final:
+            fr = P.finish_reason(out.finish_reason) or "stop"
+            await _event(resp, P.chunk(gen, rid, created, text=piece.text, finish=fr, role=role, usage_obj=running,
+                                       stats=P.dflash_stats(out)))  # fmt: skip
+            break
+        if piece.text or role:
+            await _event(resp, P.chunk(gen, rid, created, text=piece.text, role=role, usage_obj=running))
+            role = False
+    if gen.include_usage:
+        await _event(resp, P.chunk(gen, rid, created, text=None, usage_obj=P.usage(out), no_choice=True))
+
+
+# ---------------------------------------------------------------------------------------- app
+def build_app(cfg: FrontConfig, upstream: Upstream, chat: ChatTemplate | None) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024**2)
+    app[KEY_CFG] = cfg
+    app[KEY_UP] = upstream
+    app[KEY_CHAT] = chat
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health/live", live)
+
+    async def on_cleanup(_app: web.Application) -> None:
+        await upstream.close()
+
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+class FrontThread:
+    """The front on its own event loop in a daemon thread (what `dflash-trt serve` runs next to
+    tritonserver). start() returns once the port is bound, or raises why it could not be."""
+
+    def __init__(self, cfg: FrontConfig, chat: ChatTemplate | None) -> None:
+        self.cfg = cfg
+        self.chat = chat
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="openai-front", daemon=True)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    def start(self, timeout: float = 30.0) -> FrontThread:
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError(f"the OpenAI front did not start within {timeout:g} s")
+        if isinstance(self._error, OSError):
+            raise UsageError(
+                f"--openai-port={self.cfg.port}: cannot listen on {self.cfg.host}:{self.cfg.port} ({self._error})",
+                hint="pick a free port",
+            ) from self._error
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as exc:
+            self._error = exc
+            return
+        finally:
+            self._started.set()
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = build_app(self.cfg, Upstream(self.cfg.triton_url, self.cfg.triton_model), self.chat)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
+                                     access_log=None)  # fmt: skip
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.cfg.host, self.cfg.port).start()
+
+    def stop(self) -> None:
+        """Stop listening, let in-flight requests finish (up to SHUTDOWN_GRACE_S), then cancel the rest."""
+        if not self._thread.is_alive():
+            return
+        if self._runner is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            with contextlib.suppress(Exception):
+                fut.result(SHUTDOWN_GRACE_S + 10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -1,0 +1,506 @@
+# SPDX-License-Identifier: Apache-2.0
+"""OpenAI request bodies in, one `Generation` out; response bodies and the error shape.
+
+Pure functions over JSON values (no I/O), so every rule is unit-testable. A bad or unsupported
+field raises `OpenAIError` (HTTP 400, OpenAI's `{"error": {message, type, param, code}}`) whose
+message names the field, the value and the fix.
+
+Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
+`stop` (strings), `n=1`, `stream`, `stream_options.include_usage`; extensions as in vLLM:
+`stop_token_ids`, `ignore_eos`, `min_tokens`, `stream_options.continuous_usage_stats` (usage on
+every chunk), `chat_template_kwargs`. Refused with 400: `n>1`, `best_of>1`, log-probabilities,
+penalties, `logit_bias`, `echo`, `suffix`, tools/functions, `response_format` other than text,
+non-text content, token-id prompts, and any key not listed here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# OpenAI's documented upper bound for temperature.
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engines' own default, all-None, would be greedy)
+
+# The extension object that carries the DFlash statistics of one response: its keys, and the
+# Triton model output each comes from (clients such as `dflash-trt bench` map them back).
+DFLASH_FIELD = "dflash"
+DFLASH_STATS = {
+    "mean_acceptance_length": "mean_acceptance_length",  # tau: tokens per round, bonus included
+    "num_rounds": "num_rounds",
+    "accepted_draft_tokens": "total_accepted_draft_tokens",
+    "draft_tokens": "total_draft_tokens",
+    "acceptance_rate": "acceptance_rate",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, value: Any, problem: str, fix: str, *, code: str | None = None) -> OpenAIError:
+    """A 400 naming the field, its value and the fix (one line)."""
+    shown = json.dumps(value) if not isinstance(value, str) else repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return OpenAIError(f"{param}={shown}: {problem}; fix: {fix}", param=param, code=code)
+
+
+@dataclass
+class Generation:
+    """One validated request, in the Triton model's terms."""
+
+    kind: str  # "completions" | "chat"
+    model: str
+    prompt: str | None = None  # completions: the prompt text; chat: filled in by the chat template
+    messages: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # None (chat only): what the context leaves
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+# ---------------------------------------------------------------------------------------- fields
+# key -> the value(s) accepted because they mean "off"/default (anything else is refused).
+_OFF_ONLY: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),  # vLLM extension
+    "logit_bias": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None,),
+    "functions": (None,),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),  # meaningless without tools
+    "top_logprobs": (None, 0),
+    "audio": (None,),
+    "modalities": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+}
+_WHY = {
+    "n": ("only one choice per request is generated", "send n=1 (or omit it) and issue several requests"),
+    "best_of": ("only one candidate per request is generated", "omit best_of"),
+    "frequency_penalty": ("penalties are not supported by the DFlash engines", "omit it or send 0"),
+    "presence_penalty": ("penalties are not supported by the DFlash engines", "omit it or send 0"),
+    "repetition_penalty": ("penalties are not supported by the DFlash engines", "omit it or send 1"),
+    "logit_bias": ("logit bias is not supported", "omit logit_bias"),
+    "echo": ("echo is not supported", "omit echo and prepend the prompt yourself"),
+    "suffix": ("insertion (suffix) is not supported", "omit suffix"),
+    "tools": ("tool calling is not supported", "omit tools"),
+    "functions": ("function calling is not supported", "omit functions"),
+    "tool_choice": ("tool calling is not supported", "omit tool_choice"),
+    "function_call": ("function calling is not supported", "omit function_call"),
+    "parallel_tool_calls": ("tool calling is not supported", "omit parallel_tool_calls"),
+    "top_logprobs": ("log-probabilities are not computed", "omit top_logprobs"),
+    "audio": ("audio output is not supported", "omit audio"),
+    "modalities": ("only text output is supported", 'omit modalities or send ["text"]'),
+    "prediction": ("predicted outputs are not supported", "omit prediction"),
+    "web_search_options": ("web search is not supported", "omit web_search_options"),
+    "reasoning_effort": ("reasoning effort is not configurable", "omit it; use chat_template_kwargs"),
+    "store": ("stored completions are not supported", "omit store or send false"),
+}
+# Accepted and ignored: they do not change what is generated.
+_IGNORED = frozenset({"user", "metadata", "service_tier", "stream_options"})
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "min_tokens", "stream", "stream_options", "logprobs"})  # fmt: skip
+_COMPLETIONS_KEYS = _COMMON | {"prompt"} | set(_OFF_ONLY) | _IGNORED
+_CHAT_KEYS = (
+    _COMMON
+    | {"messages", "max_completion_tokens", "response_format", "chat_template_kwargs"}
+    | set(_OFF_ONLY)
+    | _IGNORED
+)
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _check_keys(body: dict[str, Any], allowed: frozenset[str] | set[str], endpoint: str) -> None:
+    for key in body:
+        if key not in allowed:
+            raise bad(key, body[key], f"{endpoint} does not support this parameter", f"remove {key}")
+    for key, ok in _OFF_ONLY.items():
+        if key in body and body[key] not in ok and not (key == "modalities" and body[key] == ["text"]):
+            problem, fix = _WHY[key]
+            raise bad(key, body[key], problem, fix)
+
+
+def _int(body: dict[str, Any], key: str, *, lo: int, hi: int | None = None, fix: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(key, v, f"must be an integer {rng}", fix)
+    return v
+
+
+def _float(
+    body: dict[str, Any], key: str, *, lo: float, hi: float, lo_open: bool = False, fix: str
+) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and v <= hi
+        and (v > lo if lo_open else v >= lo)
+    )
+    if not ok:
+        raise bad(key, v, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", fix)
+    return float(v)
+
+
+def _bool(body: dict[str, Any], key: str, *, prefix: str = "") -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(prefix + key, v, "must be true or false", f"send a JSON boolean for {key}")
+    return v
+
+
+def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad(
+            "model", model, "is required (a string)", f"send one of {', '.join(served)} (GET /v1/models)"
+        )
+    if model not in served:
+        raise bad("model", model, "is not served here", f"send one of {', '.join(served)} (GET /v1/models)",
+                  code="model_not_found")  # fmt: skip
+    gen.model = model
+    temperature = _float(body, "temperature", lo=0.0, hi=MAX_TEMPERATURE, fix="0 is greedy; at most 2")
+    gen.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    gen.top_p = _float(body, "top_p", lo=0.0, hi=1.0, lo_open=True, fix="send a value in (0, 1], 1 = off")
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's "off"
+        top_k = 0
+    gen.top_k = _int({"top_k": top_k}, "top_k", lo=0, fix="send an integer >= 0 (0 or -1 = off)")
+    gen.seed = _int(body, "seed", lo=0, hi=2**64 - 1, fix="send a non-negative integer")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", body.get("stop"), "must be a non-empty string or a list of non-empty strings",
+                      "send stop strings; stop token ids go in stop_token_ids")  # fmt: skip
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad("stop", stop, f"more than {MAX_STOP_STRINGS} stop strings", "send fewer stop strings")
+        gen.stop = list(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids
+        ):
+            raise bad("stop_token_ids", ids, "must be a list of token ids (integers >= 0)", "send e.g. [2]")
+        gen.stop_token_ids = list(ids)
+    gen.ignore_eos = _bool(body, "ignore_eos")
+    gen.min_tokens = _int(body, "min_tokens", lo=0, hi=2**31 - 1, fix="send an integer >= 0")
+    gen.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not gen.stream:
+            raise bad(
+                "stream_options", opts, "is only allowed with stream=true", "omit it or send stream=true"
+            )
+        if not isinstance(opts, dict):
+            raise bad("stream_options", opts, "must be an object", 'send e.g. {"include_usage": true}')
+        for key in opts:
+            if key not in ("include_usage", "continuous_usage_stats"):
+                raise bad(f"stream_options.{key}", opts[key], "is not supported",
+                          "use include_usage (or continuous_usage_stats)")  # fmt: skip
+        gen.include_usage = _bool(opts, "include_usage", prefix="stream_options.")
+        gen.continuous_usage = _bool(opts, "continuous_usage_stats", prefix="stream_options.")
+
+
+def _max_tokens(gen: Generation, key: str, value: Any, ceiling: int | None) -> None:
+    if value is None:
+        return
+    hi = ceiling if ceiling is not None else 2**31 - 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value > hi:
+        raise bad(key, value, f"must be an integer in [1, {hi}]", f"send {key} <= {hi}")
+    gen.max_tokens = value
+
+
+def _check_min_tokens(gen: Generation) -> None:
+    if gen.min_tokens is not None and gen.max_tokens is not None and gen.min_tokens > gen.max_tokens:
+        raise bad("min_tokens", gen.min_tokens, f"exceeds max_tokens={gen.max_tokens}",
+                  "send min_tokens <= max_tokens")  # fmt: skip
+
+
+def parse_completions(body: Any, served: list[str], *, max_seq_len: int | None = None) -> Generation:
+    """POST /v1/completions."""
+    body = _object(body)
+    _check_keys(body, _COMPLETIONS_KEYS, "/v1/completions")
+    gen = Generation(kind="completions", model="")
+    _common(body, gen, served)
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, 0):
+        raise bad("logprobs", logprobs, "log-probabilities are not computed", "omit logprobs")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            raise bad("prompt", prompt, "several prompts in one request are not supported",
+                      "send one prompt per request")  # fmt: skip
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+            raise bad("prompt", prompt, "token-id prompts are not supported (the model takes text)",
+                      "send the prompt as a string")  # fmt: skip
+        raise bad("prompt", prompt, "is required (a non-empty string)", "send a prompt string")
+    if not prompt:
+        raise bad("prompt", prompt, "is empty", "send a non-empty prompt string")
+    gen.prompt = prompt
+    gen.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    _max_tokens(gen, "max_tokens", body.get("max_tokens"), max_seq_len)
+    _check_min_tokens(gen)
+    return gen
+
+
+def parse_chat(body: Any, served: list[str], *, max_seq_len: int | None = None) -> Generation:
+    """POST /v1/chat/completions (the prompt text is rendered later by the chat template)."""
+    body = _object(body)
+    _check_keys(body, _CHAT_KEYS, "/v1/chat/completions")
+    gen = Generation(kind="chat", model="")
+    _common(body, gen, served)
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False):
+        raise bad("logprobs", logprobs, "log-probabilities are not computed", "omit logprobs or send false")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", fmt, "structured output is not supported",
+                  'omit response_format or send {"type": "text"}')  # fmt: skip
+    gen.messages = _messages(body.get("messages"))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad(
+                "chat_template_kwargs", kwargs, "must be an object", 'send e.g. {"enable_thinking": false}'
+            )
+        reserved = {"messages", "add_generation_prompt", "tokenize", "conversation", "tools"} & set(kwargs)
+        if reserved:
+            key = sorted(reserved)[0]
+            raise bad(f"chat_template_kwargs.{key}", kwargs[key], "is set by the server", f"remove {key}")
+        gen.chat_template_kwargs = dict(kwargs)
+    a, b = body.get("max_tokens"), body.get("max_completion_tokens")
+    if a is not None and b is not None and a != b:
+        raise bad("max_completion_tokens", b, f"differs from max_tokens={a}", "send only one of the two")
+    _max_tokens(gen, "max_completion_tokens" if b is not None else "max_tokens", b if b is not None else a,
+                max_seq_len)  # fmt: skip
+    _check_min_tokens(gen)
+    return gen
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object; fix: send a JSON object", param=None)
+    return body
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", messages, "is required (a non-empty list)",
+                  'send e.g. [{"role": "user", "content": "Hi"}]')  # fmt: skip
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(
+                where, m, "must be an object with role and content", 'send {"role": "user", "content": "..."}'
+            )
+        role = m.get("role")
+        if role not in _ROLES:
+            why = "tool messages need tool calling, which is not supported" if role in ("tool", "function") else \
+                f"role must be one of {', '.join(_ROLES)}"  # fmt: skip
+            raise bad(f"{where}.role", role, why, "send a system, user or assistant message")
+        for key in m:
+            if key not in ("role", "content", "name"):
+                raise bad(f"{where}.{key}", m[key], "is not supported", f"remove {key}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise bad(f"{where}.content[{j}]", part, "only text parts are supported",
+                              'send {"type": "text", "text": "..."}')  # fmt: skip
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(
+                f"{where}.content", content, "must be a string or a list of text parts", "send text content"
+            )
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+class StopHoldback:
+    """Streamed text with stop strings: the engine's accumulated text in, safe deltas out.
+
+    The engine cuts the final text at a stop string, but a streamed delta cannot be taken back, so
+    the tail of the text that could still become a stop string is held back until the next
+    response settles it (vLLM does the same). Feed it the accumulated text of each response.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.sent = 0
+
+    def delta(self, accumulated: str, *, final: bool) -> str:
+        end = len(accumulated) if final else len(accumulated) - self._undecided(accumulated)
+        if end <= self.sent:
+            return ""
+        out = accumulated[self.sent : end]
+        self.sent = end
+        return out
+
+    def _undecided(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+# ---------------------------------------------------------------------------------------- responses
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass
+class Outcome:
+    """What the Triton model sent for one request (the final state)."""
+
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def usage(o: Outcome) -> dict[str, int]:
+    p = o.prompt_tokens or 0
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": p + o.completion_tokens,
+    }
+
+
+def dflash_stats(o: Outcome) -> dict[str, Any]:
+    """The `dflash` extension object: tau (tokens per round, bonus included), rounds, drafts."""
+    s = {k: round(v, 6) if isinstance(v, float) else v for k, v in o.stats.items()}
+    return {key: s.get(output) for key, output in DFLASH_STATS.items()}
+
+
+def finish_reason(value: str | None) -> str | None:
+    if value in (None, "", "None"):
+        return None
+    return value if value in ("stop", "length") else "stop"
+
+
+def full_response(gen: Generation, rid: str, created: int, o: Outcome) -> dict[str, Any]:
+    fr = finish_reason(o.finish_reason) or "stop"
+    if gen.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": o.text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": fr,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": fr}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": gen.model,
+        "choices": [choice],
+        "usage": usage(o),
+        "system_fingerprint": None,
+        DFLASH_FIELD: dflash_stats(o),
+    }
+
+
+def chunk(
+    gen: Generation, rid: str, created: int, *, text: str | None, finish: str | None = None,
+    role: bool = False, usage_obj: dict[str, int] | None = None, stats: dict[str, Any] | None = None,
+    no_choice: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk. `no_choice`: the final usage-only chunk (choices = [])."""
+    obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+    choices: list[dict[str, Any]] = []
+    if not no_choice:
+        if gen.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choices.append({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+        else:
+            choices.append({"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish})
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": gen.model,
+        "choices": choices,
+    }
+    if gen.include_usage or gen.continuous_usage:
+        out["usage"] = usage_obj
+    if stats is not None:
+        out[DFLASH_FIELD] = stats
+    return out
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Triton side of the front: `ModelStreamInfer` streams through tritonclient's aio gRPC client.
+
+A stream carries one request at a time and is reused by the next request once the response whose
+`triton_final_response` parameter is true has arrived (a new RPC per request cost the front ~3 ms
+of CPU). Cancelling a stream (the HTTP client went away mid-request) cancels its request in
+Triton; the model sees `is_cancelled()` and aborts the generation, freeing its slot and KV pages.
+Streams whose request has finished are never cancelled, only half-closed: cancelling a finished
+stream kept Triton 2.51 from unloading the model at shutdown (its exit timeout expired).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import struct
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+
+from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
+
+# Speculative statistics read from the final response.
+STATS_OUTPUTS = tuple(DFLASH_STATS.values())
+# HTTP/2 servers commonly cap concurrent streams per connection at 100; stay below.
+STREAMS_PER_CHANNEL = 64
+# The model answers an internal failure as "<ExceptionType>: <message>"; a bad request plainly.
+_INTERNAL = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+@dataclass
+class Piece:
+    """One Triton response, as the front needs it."""
+
+    text: str
+    completion_tokens: int | None
+    prompt_tokens: int | None
+    finish_reason: str | None
+    final: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+_FORMATS = {
+    "BOOL": "<?",
+    "INT32": "<i",
+    "UINT32": "<I",
+    "INT64": "<q",
+    "UINT64": "<Q",
+    "FP32": "<f",
+    "FP64": "<d",
+}
+
+
+def _first_values(response: Any) -> dict[str, Any]:
+    """name -> first element of every output of a ModelInferResponse, read from the raw contents
+    (a struct unpack per output: cheaper than tritonclient's numpy deserialisation per chunk)."""
+    raws = response.raw_output_contents
+    out: dict[str, Any] = {}
+    for i, o in enumerate(response.outputs):
+        raw = raws[i] if i < len(raws) else b""
+        if not raw:
+            out[o.name] = None
+        elif o.datatype == "BYTES":
+            (n,) = struct.unpack_from("<I", raw)
+            out[o.name] = raw[4 : 4 + n].decode("utf-8", errors="replace")
+        else:
+            fmt = _FORMATS.get(o.datatype)
+            out[o.name] = struct.unpack_from(fmt, raw)[0] if fmt else None
+    return out
+
+
+def model_error(message: str, *, prompt_param: str = "prompt") -> OpenAIError:
+    """A request the model refused (before any output): 400 naming the field when the message does
+    (`prompt_param`: what carries the prompt in the OpenAI request); an internal failure: 500."""
+    if _INTERNAL.match(message):
+        return OpenAIError(f"the model failed: {message}", status=500, type="server_error")
+    param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
+    return OpenAIError(message, param=param)
+
+
+class _Stream:
+    """A long-lived `ModelStreamInfer` stream carrying one request at a time.
+
+    A finished request leaves its stream open for the next one (one message per request instead of
+    a new RPC). Requests never overlap on a stream, so every response belongs to the request in
+    flight; a request abandoned mid-way cancels its stream, which cancels the request in Triton.
+    """
+
+    def __init__(self, client: Any, slot: int) -> None:
+        self.slot = slot
+        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.call = client.stream_infer(self._requests())
+
+    async def _requests(self) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    def send(self, request: dict[str, Any]) -> None:
+        self._queue.put_nowait(request)
+
+    async def read(self) -> tuple[Any, Any]:
+        return await self.call.__anext__()
+
+    def end(self) -> None:
+        """Half-close: Triton ends the stream once nothing is in flight (no cancellation)."""
+        self._queue.put_nowait(None)
+
+
+class Upstream:
+    def __init__(self, url: str, model_name: str) -> None:
+        self.url = url
+        self.model_name = model_name
+        self._clients: list[Any] = []
+        self._streams: list[int] = []  # open streams (busy + idle) per client
+        self._idle: list[_Stream] = []
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for stream in idle:
+            stream.end()
+        if idle:  # let Triton close them (finished streams are never cancelled: see the module doc)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.gather(*(self._drain(s) for s in idle), return_exceptions=True), 5
+                )
+        for c in self._clients:
+            await c.close()
+        self._clients.clear()
+        self._streams.clear()
+
+    @staticmethod
+    async def _drain(stream: _Stream) -> None:
+        with contextlib.suppress(StopAsyncIteration):
+            while True:
+                await stream.read()
+
+    def _client(self) -> int:
+        """The client (one gRPC channel each) with the fewest open streams; a new one when all
+        are at STREAMS_PER_CHANNEL."""
+        if not self._clients or min(self._streams) >= STREAMS_PER_CHANNEL:
+            self._clients.append(grpcaio.InferenceServerClient(self.url))
+            self._streams.append(0)
+        return min(range(len(self._clients)), key=self._streams.__getitem__)
+
+    def _acquire(self) -> _Stream:
+        if self._idle:
+            return self._idle.pop()
+        i = self._client()
+        self._streams[i] += 1
+        return _Stream(self._clients[i], i)
+
+    def _release(self, stream: _Stream, *, reusable: bool) -> None:
+        if reusable and stream.slot < len(self._clients):
+            self._idle.append(stream)
+            return
+        if stream.slot < len(self._streams):
+            self._streams[stream.slot] -= 1
+
+    async def ready(self) -> bool:
+        """Triton is up and the model is ready."""
+        try:
+            c = self._clients[self._client()]
+            return bool(await c.is_server_ready()) and bool(await c.is_model_ready(self.model_name))
+        except Exception:
+            return False
+
+    def _inputs(self, gen: Generation) -> list[Any]:
+        values: list[tuple[str, str, Any]] = [
+            ("text_input", "BYTES", [(gen.prompt or "").encode("utf-8")]),
+            ("streaming", "BOOL", [gen.stream]),
+            ("sampling_param_max_tokens", "INT32", [gen.max_tokens]),
+            ("sampling_param_return_perf_metrics", "BOOL", [True]),
+            ("return_finish_reason", "BOOL", [True]),
+        ]
+        if gen.stream and not gen.stop:  # with stop strings the front cuts deltas itself (StopHoldback)
+            values.append(("streaming_delta", "BOOL", [True]))
+        if gen.temperature is not None:
+            values.append(("sampling_param_temperature", "FP32", [gen.temperature]))
+        if gen.top_p is not None:
+            values.append(("sampling_param_top_p", "FP32", [gen.top_p]))
+        if gen.top_k is not None:
+            values.append(("sampling_param_top_k", "INT32", [gen.top_k]))
+        if gen.seed is not None:
+            values.append(("sampling_param_seed", "UINT64", [gen.seed]))
+        if gen.stop:
+            values.append(("sampling_param_stop", "BYTES", [s.encode("utf-8") for s in gen.stop]))
+        if gen.stop_token_ids:
+            values.append(("sampling_param_stop_token_ids", "INT32", gen.stop_token_ids))
+        if gen.ignore_eos:
+            values.append(("sampling_param_ignore_eos", "BOOL", [True]))
+        if gen.min_tokens is not None:
+            values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
+        dtypes = {
+            "BYTES": np.object_,
+            "BOOL": np.bool_,
+            "INT32": np.int32,
+            "FP32": np.float32,
+            "UINT64": np.uint64,
+        }
+        inputs = []
+        for name, dtype, data in values:
+            inp = grpcclient.InferInput(name, [len(data)], dtype)
+            inp.set_data_from_numpy(np.array(data, dtype=dtypes[dtype]))
+            inputs.append(inp)
+        return inputs
+
+    async def generate(self, gen: Generation, request_id: str) -> AsyncGenerator[Piece, None]:
+        """Responses of one request; raises OpenAIError when Triton or the model refuses it.
+
+        Leaving the iteration early (or cancelling the task) cancels the request in Triton. A
+        reused stream that turns out dead (Triton restarted) is retried once on a new one.
+        """
+        inputs = self._inputs(gen)
+        request = {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
+        for attempt in (0, 1):
+            reused = bool(self._idle)
+            stream = self._acquire()
+            reusable = finished = produced = False
+            try:
+                stream.send(request)
+                while True:
+                    result, error = await stream.read()
+                    if error is not None:
+                        finished = True  # Triton's error response is the request's last
+                        msg = str(getattr(error, "message", lambda: None)() or error)
+                        if produced:
+                            raise OpenAIError(
+                                f"the model failed mid-stream: {msg}", status=500, type="server_error"
+                            )
+                        raise model_error(msg, prompt_param="messages" if gen.kind == "chat" else "prompt")
+                    response = result.get_response()
+                    final = bool(response.parameters["triton_final_response"].bool_param)
+                    values = _first_values(response)
+                    piece = Piece(
+                        text=values.get("text_output") or "",
+                        completion_tokens=values.get("num_output_tokens"),
+                        prompt_tokens=values.get("num_input_tokens"),
+                        finish_reason=values.get("finish_reason") if final else None,
+                        final=final,
+                    )
+                    produced = True
+                    if final:
+                        piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
+                        finished = reusable = True
+                        self._release(stream, reusable=True)  # before the yield: the consumer may stop
+                        yield piece
+                        return
+                    yield piece
+            except (StopAsyncIteration, grpc.aio.AioRpcError) as exc:
+                finished = True
+                if reused and not produced and attempt == 0:
+                    continue  # a stale stream: once more on a fresh one
+                if isinstance(exc, StopAsyncIteration):
+                    raise OpenAIError(
+                        "the Triton stream ended before the final response", status=502, type="server_error"
+                    ) from None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise OpenAIError(
+                        f"the Triton server at {self.url} is unavailable ({exc.details()})",
+                        status=503,
+                        type="server_error",
+                    ) from None
+                raise OpenAIError(
+                    f"Triton gRPC {exc.code().name}: {exc.details()}", status=502, type="server_error"
+                ) from None
+            finally:
+                if not reusable:
+                    if finished:
+                        stream.end()  # the request is over: close the stream without cancelling it
+                    else:
+                        stream.call.cancel()  # the client left: Triton cancels the request
+                    self._release(stream, reusable=False)
