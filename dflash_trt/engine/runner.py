@@ -142,7 +142,7 @@ class ModelRunner:
             # On CPU, inductor's own C++ GEMM templates (max_autotune, CPP backend) replace small BLAS calls
             # whose dispatch costs more than their arithmetic at these sizes (tiny, batch 1: 3.4 -> 2.4 ms a
             # plain step). The instance attribute shadows the method for every caller.
-            options: dict[str, str | int | bool] = {
+            options: dict[str, Any] = {
                 "max_autotune": True,
                 "max_autotune_gemm_backends": "CPP,ATEN",
             }
