@@ -30,6 +30,13 @@ HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is
 @click.option(
     "--no-draft", is_flag=True, help="Serve the bundle's target without the drafter (the AR baseline)."
 )
+@click.option(
+    "--compile",
+    "compile_rounds",
+    is_flag=True,
+    help="Embedded engine: torch.compile the DFlash round (LLM(compile=True)). Compiles while the model "
+    "loads (about a minute on 2 CPU cores), then runs fused kernels.",
+)
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30, show_default=True,
               help="On SIGTERM/SIGINT: seconds in-flight requests may run on before they are ended with an "
               "explicit error (new requests are refused at once). Keep it below the orchestrator's grace "
@@ -62,6 +69,7 @@ def serve(
     metrics_port: int,
     ready_timeout: float,
     no_draft: bool,
+    compile_rounds: bool,
     drain_timeout: float,
     log_verbose: int,
     quiet: bool,
@@ -120,8 +128,14 @@ def serve(
     repo = bundle_path(bundle, manifest, "model_repository")
     env = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())}
     tmp = tempfile.TemporaryDirectory(prefix="dflash-serve-")
-    if no_draft:
-        repo = _without_drafter(repo, Path(tmp.name))
+    if compile_rounds and manifest["backend"] != "torch":
+        raise UsageError(
+            f"--compile needs a bundle for the embedded engine; {manifest['name']} has backend "
+            f"{manifest['backend']!r}",
+            hint="rebuild with --backend torch, or drop --compile (TensorRT-LLM compiles its own way)",
+        )
+    if no_draft or compile_rounds:
+        repo = _with_overrides(repo, Path(tmp.name), no_draft=no_draft, compile_rounds=compile_rounds)
     server = TritonServer(
         model_repository=repo.resolve(),
         host=host,
@@ -247,8 +261,9 @@ def _front_only(front) -> None:
             signal.signal(s, handler)
 
 
-def _without_drafter(repo: Path, out: Path) -> Path:
-    """A copy of the repository whose model.yaml has no speculative_config."""
+def _with_overrides(repo: Path, out: Path, *, no_draft: bool, compile_rounds: bool) -> Path:
+    """A copy of the repository whose model.yaml drops speculative_config (--no-draft) and/or sets
+    compile: true (--compile)."""
     import shutil
 
     import yaml
@@ -259,6 +274,10 @@ def _without_drafter(repo: Path, out: Path) -> Path:
     shutil.copytree(repo, dest)
     for model_yaml in dest.glob("*/1/model.yaml"):
         cfg = yaml.safe_load(model_yaml.read_text())
-        cfg.pop("speculative_config", None)
-        model_yaml.write_text("# --no-draft copy written by dflash-trt serve\n" + dump_yaml(cfg))
+        if no_draft:
+            cfg.pop("speculative_config", None)
+        if compile_rounds:
+            cfg["compile"] = True
+        flags = " ".join(f for f, on in (("--no-draft", no_draft), ("--compile", compile_rounds)) if on)
+        model_yaml.write_text(f"# {flags} copy written by dflash-trt serve\n" + dump_yaml(cfg))
     return dest

@@ -75,3 +75,32 @@ def _parent(pid: int) -> int:
     except OSError:
         return -1
     return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_compile_flag_sets_the_llm_argument_and_needs_the_embedded_engine(tiny_bundle, tmp_path):
+    import json
+    import shutil
+
+    import yaml
+
+    from dflash_trt.cli.serve import _with_overrides
+
+    repo = _with_overrides(
+        tiny_bundle / "model_repository", tmp_path / "a", no_draft=False, compile_rounds=True
+    )
+    args = yaml.safe_load((repo / "tensorrt_llm/1/model.yaml").read_text())
+    assert args["compile"] is True and "speculative_config" in args
+    both = _with_overrides(
+        tiny_bundle / "model_repository", tmp_path / "b", no_draft=True, compile_rounds=True
+    )
+    text = (both / "tensorrt_llm/1/model.yaml").read_text()
+    assert text.startswith("# --no-draft --compile copy") and "speculative_config" not in yaml.safe_load(text)
+
+    other = tmp_path / "trtllm-bundle"
+    shutil.copytree(tiny_bundle, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["backend"] = "trtllm"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    out = subprocess.run([sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(other), "--compile"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2 and "--compile needs a bundle for the embedded engine" in out.stderr
