@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Summarise a bench/compare_vllm_cpu.sh run: output tok/s per concurrency for every run, the best of
+repeated peer runs, and ours / peer ratios taken from this one run.
+
+usage: .venv/bin/python bench/compare_summary.py OUT [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def load_runs(out: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """label -> concurrency -> {tok_s, tau}, for every sweep directory under `out`."""
+    runs: dict[str, dict[int, dict[str, float]]] = {}
+    for summary in sorted(out.glob("*/summary.json")):
+        data = json.loads(summary.read_text())
+        points = {}
+        for p in data.get("points", []):
+            if p.get("concurrency") is None or not p.get("num_completed"):
+                continue
+            tau = p.get("mean_acceptance_length") or p.get("tau")
+            points[int(p["concurrency"])] = {"tok_s": float(p["output_tokens_per_s"]), "tau": tau}
+        runs[summary.parent.name] = points
+    return runs
+
+
+def best_of(runs: dict[str, dict[int, dict[str, float]]], prefix: str) -> dict[int, float]:
+    """Per concurrency, the best output tok/s over the runs named prefix-N (repeated peer runs)."""
+    best: dict[int, float] = {}
+    for label, points in runs.items():
+        if re.fullmatch(re.escape(prefix) + r"(-\d+)?", label):
+            for c, p in points.items():
+                best[c] = max(best.get(c, 0.0), p["tok_s"])
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    runs = load_runs(args.out)
+    if not runs:
+        raise SystemExit(f"error: no sweep results under {args.out}")
+    conc = sorted({c for points in runs.values() for c in points})
+    print("output tokens/s by run and concurrency")
+    print(f"{'run':28s}" + "".join(f"{f'c={c}':>10s}" for c in conc))
+    for label, points in runs.items():
+        print(
+            f"{label:28s}"
+            + "".join(f"{points[c]['tok_s']:10.1f}" if c in points else f"{'-':>10s}" for c in conc)
+        )
+    ratios: dict[str, dict[int, float]] = {}
+    for mode in ("dflash", "ar"):
+        peer = best_of(runs, f"vllm-{mode}")
+        if not peer:
+            continue
+        for label in sorted(runs):
+            if label.startswith("ours-") and label.endswith(f"-{mode}"):
+                key = f"{label} / best vllm-{mode}"
+                ratios[key] = {
+                    c: runs[label][c]["tok_s"] / peer[c] for c in conc if c in runs[label] and peer.get(c)
+                }
+    if ratios:
+        print("\nratios (this run; the peer's best of its repeated runs)")
+        print(f"{'':40s}" + "".join(f"{f'c={c}':>8s}" for c in conc))
+        for key, by_c in ratios.items():
+            print(f"{key:40s}" + "".join(f"{by_c[c]:8.2f}" if c in by_c else f"{'-':>8s}" for c in conc))
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "ratios": ratios}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

