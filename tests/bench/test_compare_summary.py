@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench/compare_summary.py: tok/s per run and concurrency, the peer's best of its runs, ratios."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(out: Path, label: str, tok_s: dict[int, float]) -> None:
+    d = out / label
+    d.mkdir(parents=True)
+    points = [{"concurrency": c, "num_completed": 8, "output_tokens_per_s": v} for c, v in tok_s.items()]
+    (d / "summary.json").write_text(json.dumps({"points": points}))
+
+
+def test_ratios_use_the_peers_best_run(tmp_path):
+    _run(tmp_path, "ours-eager-dflash", {1: 300.0, 4: 600.0})
+    _run(tmp_path, "vllm-dflash-1", {1: 200.0, 4: 500.0})
+    _run(tmp_path, "vllm-dflash-2", {1: 150.0, 4: 750.0})
+    _run(tmp_path, "ours-eager-ar", {1: 100.0})
+    out = subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path),
+                          "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=True)  # fmt: skip
+    assert "ours-eager-dflash" in out.stdout and "vllm-dflash-2" in out.stdout
+    ratios = json.loads((tmp_path / "s.json").read_text())["ratios"]
+    assert ratios == {
+        "ours-eager-dflash / best vllm-dflash": {"1": 1.5, "4": 0.8}
+    }  # no vllm-ar run: no AR ratio
+
+
+def test_empty_directory_is_an_error(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 1 and "no sweep results" in out.stderr
