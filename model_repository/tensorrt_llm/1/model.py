@@ -41,6 +41,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import json
+import locale
 import os
 import threading
 import time
@@ -141,6 +142,20 @@ def _set_running_loop(loop: asyncio.AbstractEventLoop | None) -> None:
     asyncio.events._set_running_loop(loop)
 
 
+def _utf8_text_files() -> None:
+    """The Python stub starts in the C locale, so open() reads text as ASCII and libraries' UTF-8 data
+    files fail to load (torch.compile's inductor templates did). Switch LC_CTYPE to UTF-8 when the
+    system has such a locale; ASCII files read the same either way."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+
+
 def _config_path() -> Path:
     here = Path(__file__).resolve().parent
     env = os.environ.get("LLM_CONFIG_PATH")
@@ -183,6 +198,7 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------------------------------
     def initialize(self, args: dict[str, str]) -> None:
+        _utf8_text_files()
         self.model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", "tensorrt_llm")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
