@@ -210,23 +210,22 @@ def plan_trtllm(
     block: int,
     detected_count: int | None,
 ) -> BuildPlan:
+    """The TensorRT-LLM plan: quantization and KV dtype, parallelism, limits and memory, then the
+    LLM-API config and the plan's sections."""
     cfg = pair.target.config
     t = text_config(cfg)
     family = str(t.get("model_type") or cfg.get("model_type"))
-    native = weights_native_format(cfg)
-    fmt, source = choose_quant(req, profile, native, family)
+    fmt, source = choose_quant(req, profile, weights_native_format(cfg), family)
     kv_dtype = req.kv_cache_dtype
     if kv_dtype == "auto":
         kv_dtype = (
             profile.kv_cache_dtype if family == "gpt_oss" else ("fp8" if fmt in ("fp8", "nvfp4") else "auto")
         )
     tp = check_parallelism(req, cfg, profile)
-    gpus = tp
-    if detected_count is not None and gpus > detected_count:
+    if detected_count is not None and tp > detected_count:
         raise UsageError(
             f"--tp={tp} needs {tp} GPUs, nvidia-smi shows {detected_count}", hint=f"use --tp {detected_count}"
         )
-    moe = is_moe(cfg)
     max_seq = req.max_seq_len or min(int(t.get("max_position_embeddings") or 8192), 8192)
     limits = {
         "max_batch_size": req.max_batch_size or 64,
@@ -242,7 +241,63 @@ def plan_trtllm(
     target, drafter, speculative = common_sections(
         req, pair, dcfg, block, target_ref=target_ref, drafter_ref=drafter_ref
     )
+    llm_api = _llm_api_config(
+        req, profile, dcfg, block, family=family, moe=is_moe(cfg), tp=tp, kv_dtype=kv_dtype, limits=limits,
+        target_ref=target_ref, drafter_ref=drafter_ref,
+    )  # fmt: skip
+    validation = {"llm_api": validate_llm_api(llm_api), "memory": memory}
+    validation["pair"] = {"ok": True, "block_size": block, "trained_block_size": dcfg.block_size}
+    weights_gb = memory["weights_gb"] + memory["drafter_gb"]
+    return BuildPlan(
+        request=req,
+        name=bundle_name(req.target),
+        backend="trtllm",
+        target=target,
+        drafter=drafter,
+        speculative=speculative,
+        gpu=_gpu_section(req, profile, tp),
+        quantization=_quantization_section(req, profile, fmt, source, kv_dtype),
+        limits=limits,
+        llm_api=llm_api,
+        triton_config=triton_config("tensorrt_llm"),
+        serving={
+            "model_name": MODEL_NAME,
+            "image": TRTLLM_IMAGE,
+            "startup_budget_s": int(600 + 25 * weights_gb),
+            "weights_gb": round(weights_gb, 2),
+            "engine": "tensorrt_llm",
+            "trtllm_min_version": TRTLLM_MIN_VERSION,
+        },
+        validation=validation,
+        files={
+            "manifest": "manifest.json",
+            "llm_api": "engine/llm_api.yaml",
+            "serve_script": "engine/serve-trtllm.sh",
+            "model_repository": "model_repository",
+            "helm_values": "helm-values.yaml",
+            "bench_plan": "bench-plan.yaml",
+            "readme": "BUNDLE.md",
+        },
+        copies={},
+        notes=_notes(req, source),
+    )
 
+
+def _llm_api_config(
+    req: BuildRequest,
+    profile: GpuProfile,
+    dcfg: DFlashConfig,
+    block: int,
+    *,
+    family: str,
+    moe: bool,
+    tp: int,
+    kv_dtype: str,
+    limits: dict[str, int],
+    target_ref: str,
+    drafter_ref: str,
+) -> dict[str, Any]:
+    """TensorRT-LLM's LLM-API arguments (PyTorch backend) with the DFlash speculative config."""
     spec: dict[str, Any] = {
         "decoding_type": "DFlash",
         "max_draft_len": block - 1,
@@ -269,9 +324,13 @@ def plan_trtllm(
         llm_api["moe_expert_parallel_size"] = req.ep
     if family == "gpt_oss" and profile.gpt_oss_moe_backend:
         llm_api["moe_config"] = {"backend": profile.gpt_oss_moe_backend}
-    validation = {"llm_api": validate_llm_api(llm_api), "memory": memory}
-    validation["pair"] = {"ok": True, "block_size": block, "trained_block_size": dcfg.block_size}
+    return llm_api
 
+
+def _quantization_section(
+    req: BuildRequest, profile: GpuProfile, fmt: str, source: str, kv_dtype: str
+) -> dict[str, Any]:
+    """What is quantized, how, and the TensorRT-LLM quant algorithm it maps to."""
     algo = {"mxfp4": "W4A8_MXFP4_MXFP8" if profile.is_blackwell else "W4A16_MXFP4", "fp8": "FP8",
             "nvfp4": "NVFP4", "bf16": "NO_QUANT"}[fmt]  # fmt: skip
     recipe = None
@@ -279,7 +338,7 @@ def plan_trtllm(
         recipe = RECIPES[fmt][0]
     elif source == "mxfp4-cast":
         recipe = "MXFP4 -> NVFP4 lossless cast (ModelOpt)"
-    quantization = {
+    return {
         "target": {
             "format": fmt,
             "source": source,
@@ -293,36 +352,24 @@ def plan_trtllm(
         "drafter": {"format": "fp8" if req.quantize_drafter else "checkpoint",
                     "recipe": "weight-only FP8 (calibration-free)" if req.quantize_drafter else None},
     }  # fmt: skip
-    weights_gb = memory["weights_gb"] + memory["drafter_gb"]
-    gpu = {
+
+
+def _gpu_section(req: BuildRequest, profile: GpuProfile, tp: int) -> dict[str, Any]:
+    return {
         "profile": profile.name,
-        "count": gpus,
+        "count": tp,
         "tp": tp,
         "ep": req.ep,
         "per_node": profile.per_node,
-        "nodes": max(1, math.ceil(gpus / profile.per_node)),
+        "nodes": max(1, math.ceil(tp / profile.per_node)),
         "product_label": profile.product_label,
         "memory_gb": profile.memory_gb,
         "sm": profile.sm,
         "bandwidth_tbs": profile.bandwidth_tbs,
     }
-    serving = {
-        "model_name": MODEL_NAME,
-        "image": TRTLLM_IMAGE,
-        "startup_budget_s": int(600 + 25 * weights_gb),
-        "weights_gb": round(weights_gb, 2),
-        "engine": "tensorrt_llm",
-        "trtllm_min_version": TRTLLM_MIN_VERSION,
-    }
-    files = {
-        "manifest": "manifest.json",
-        "llm_api": "engine/llm_api.yaml",
-        "serve_script": "engine/serve-trtllm.sh",
-        "model_repository": "model_repository",
-        "helm_values": "helm-values.yaml",
-        "bench_plan": "bench-plan.yaml",
-        "readme": "BUNDLE.md",
-    }
+
+
+def _notes(req: BuildRequest, source: str) -> list[str]:
     notes = [
         "TensorRT-LLM runs DFlash only in its PyTorch backend: this bundle holds checkpoints (or Hub "
         "references) and an LLM-API config; no TensorRT engine or TensorRT plugin is built (trtllm-build and "
@@ -339,21 +386,4 @@ def plan_trtllm(
         notes.append(
             "TensorRT-LLM loading a quantized DFlash drafter is unverified; the embedded engine loads it"
         )
-    return BuildPlan(
-        request=req,
-        name=bundle_name(req.target),
-        backend="trtllm",
-        target=target,
-        drafter=drafter,
-        speculative=speculative,
-        gpu=gpu,
-        quantization=quantization,
-        limits=limits,
-        llm_api=llm_api,
-        triton_config=triton_config("tensorrt_llm"),
-        serving=serving,
-        validation=validation,
-        files=files,
-        copies={},
-        notes=notes,
-    )
+    return notes
