@@ -7,8 +7,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from dflash_trt.openai_front.app import FrontThread
+    from dflash_trt.triton.server import TritonServer
 
 # Triton's own --exit-timeout-secs. serve drains before it signals tritonserver, so this only bounds
 # how long Triton waits for idle HTTP keep-alive connections (it waits for every open connection).
@@ -103,23 +108,14 @@ def serve(
     from dflash_trt.errors import UsageError
     from dflash_trt.triton.server import TritonServer
 
-    if len({http_port, grpc_port, metrics_port}) != 3:
-        raise UsageError(
-            f"ports must differ: --http-port={http_port} --grpc-port={grpc_port} --metrics-port={metrics_port}"
-        )
-    if openai_port is not None and triton_url is None and openai_port in (http_port, grpc_port, metrics_port):
-        raise UsageError(
-            f"--openai-port={openai_port} is taken by Triton (--http-port={http_port} --grpc-port={grpc_port} "
-            f"--metrics-port={metrics_port})",
-            hint="pick another port, e.g. --openai-port 9000",
-        )
-    if triton_url is not None and openai_port is None:
-        raise UsageError(f"--triton-url={triton_url!r} needs --openai-port", hint="add --openai-port 9000")
-    if openai_model_name is not None and openai_port is None:
-        raise UsageError(
-            f"--openai-model-name={openai_model_name!r} needs --openai-port", hint="add --openai-port 9000"
-        )
+    _check_ports(http_port, grpc_port, metrics_port, openai_port, openai_model_name, triton_url)
     manifest = load_manifest(bundle)
+    if compile_rounds and manifest["backend"] != "torch":
+        raise UsageError(
+            f"--compile needs a bundle for the embedded engine; {manifest['name']} has backend "
+            f"{manifest['backend']!r}",
+            hint="rebuild with --backend torch, or drop --compile (TensorRT-LLM compiles its own way)",
+        )
     front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url)
     if triton_url is not None:
         assert front is not None
@@ -128,12 +124,6 @@ def serve(
     repo = bundle_path(bundle, manifest, "model_repository")
     env = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())}
     tmp = tempfile.TemporaryDirectory(prefix="dflash-serve-")
-    if compile_rounds and manifest["backend"] != "torch":
-        raise UsageError(
-            f"--compile needs a bundle for the embedded engine; {manifest['name']} has backend "
-            f"{manifest['backend']!r}",
-            hint="rebuild with --backend torch, or drop --compile (TensorRT-LLM compiles its own way)",
-        )
     if no_draft or compile_rounds:
         repo = _with_overrides(repo, Path(tmp.name), no_draft=no_draft, compile_rounds=compile_rounds)
     server = TritonServer(
@@ -176,30 +166,7 @@ def serve(
             click.echo(
                 f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True
             )
-        while not stop.wait(WATCH_PERIOD_S):
-            if server.proc is not None and server.proc.poll() is not None:
-                raise click.ClickException(
-                    f"tritonserver exited unexpectedly with code {server.proc.returncode}"
-                )
-            if not server.stub_pids:  # none seen at ready: keep looking
-                server.watch_stubs()
-            dead = server.dead_stubs()
-            if dead:
-                server.kill()
-                pid, model = next(iter(dead.items()))
-                raise click.ClickException(
-                    f"the Python-backend stub (pid {pid}, {model}) died; tritonserver would keep reporting "
-                    "ready while failing every request, so it was stopped; restart serve"
-                )
-            age = server.heartbeat_age()
-            if age is not None and age > HEARTBEAT_TIMEOUT_S:
-                server.kill()
-                raise click.ClickException(
-                    f"the model's heartbeat is {age:.0f} s old (its Python stub is wedged); tritonserver "
-                    "would keep reporting ready while requests hang, so it was stopped; restart serve"
-                )
-            if front is not None and not front.alive():
-                raise click.ClickException("the OpenAI front stopped unexpectedly")
+        _watch(server, front, stop)
         if front is not None:
             front.stop()  # first: in-flight OpenAI requests finish (or are cancelled) while Triton is up
         click.echo(f"draining: new requests refused, in-flight ones get up to {drain_timeout:g} s", err=True)
@@ -259,6 +226,62 @@ def _front_only(front) -> None:
         front.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _check_ports(
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    openai_port: int | None,
+    openai_model_name: str | None,
+    triton_url: str | None,
+) -> None:
+    """Refuse flag combinations that cannot work (exit 2), before anything starts."""
+    from dflash_trt.errors import UsageError
+
+    if len({http_port, grpc_port, metrics_port}) != 3:
+        raise UsageError(
+            f"ports must differ: --http-port={http_port} --grpc-port={grpc_port} --metrics-port={metrics_port}"
+        )
+    if openai_port is not None and triton_url is None and openai_port in (http_port, grpc_port, metrics_port):
+        raise UsageError(
+            f"--openai-port={openai_port} is taken by Triton (--http-port={http_port} --grpc-port={grpc_port} "
+            f"--metrics-port={metrics_port})",
+            hint="pick another port, e.g. --openai-port 9000",
+        )
+    if triton_url is not None and openai_port is None:
+        raise UsageError(f"--triton-url={triton_url!r} needs --openai-port", hint="add --openai-port 9000")
+    if openai_model_name is not None and openai_port is None:
+        raise UsageError(
+            f"--openai-model-name={openai_model_name!r} needs --openai-port", hint="add --openai-port 9000"
+        )
+
+
+def _watch(server: TritonServer, front: FrontThread | None, stop: threading.Event) -> None:
+    """Until `stop` is set: raise ClickException (exit 1) when tritonserver exits, a Python stub dies
+    or wedges (its heartbeat stops), or the OpenAI front stops."""
+    while not stop.wait(WATCH_PERIOD_S):
+        if server.proc is not None and server.proc.poll() is not None:
+            raise click.ClickException(f"tritonserver exited unexpectedly with code {server.proc.returncode}")
+        if not server.stub_pids:  # none seen at ready: keep looking
+            server.watch_stubs()
+        dead = server.dead_stubs()
+        if dead:
+            server.kill()
+            pid, model = next(iter(dead.items()))
+            raise click.ClickException(
+                f"the Python-backend stub (pid {pid}, {model}) died; tritonserver would keep reporting "
+                "ready while failing every request, so it was stopped; restart serve"
+            )
+        age = server.heartbeat_age()
+        if age is not None and age > HEARTBEAT_TIMEOUT_S:
+            server.kill()
+            raise click.ClickException(
+                f"the model's heartbeat is {age:.0f} s old (its Python stub is wedged); tritonserver "
+                "would keep reporting ready while requests hang, so it was stopped; restart serve"
+            )
+        if front is not None and not front.alive():
+            raise click.ClickException("the OpenAI front stopped unexpectedly")
 
 
 def _with_overrides(repo: Path, out: Path, *, no_draft: bool, compile_rounds: bool) -> Path:
