@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import struct
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
+from dflash_trt.triton.kserve import decode_first_raw
 
 # Speculative statistics read from the final response.
 STATS_OUTPUTS = tuple(DFLASH_STATS.values())
@@ -46,32 +46,14 @@ class Piece:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-_FORMATS = {
-    "BOOL": "<?",
-    "INT32": "<i",
-    "UINT32": "<I",
-    "INT64": "<q",
-    "UINT64": "<Q",
-    "FP32": "<f",
-    "FP64": "<d",
-}
-
-
 def _first_values(response: Any) -> dict[str, Any]:
     """name -> first element of every output of a ModelInferResponse, read from the raw contents
     (a struct unpack per output: cheaper than tritonclient's numpy deserialisation per chunk)."""
     raws = response.raw_output_contents
     out: dict[str, Any] = {}
     for i, o in enumerate(response.outputs):
-        raw = raws[i] if i < len(raws) else b""
-        if not raw:
-            out[o.name] = None
-        elif o.datatype == "BYTES":
-            (n,) = struct.unpack_from("<I", raw)
-            out[o.name] = raw[4 : 4 + n].decode("utf-8", errors="replace")
-        else:
-            fmt = _FORMATS.get(o.datatype)
-            out[o.name] = struct.unpack_from(fmt, raw)[0] if fmt else None
+        value = decode_first_raw(o.datatype, raws[i] if i < len(raws) else b"")
+        out[o.name] = value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
     return out
 
 
