@@ -31,6 +31,7 @@ from dflash_trt.engine.request import Request, RequestParams
 from dflash_trt.engine.runner import ModelRunner
 from dflash_trt.engine.scheduler import Scheduler
 from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.layers.kv_cache import PagedKVCache, pages_for
 from dflash_trt.models.checkpoint import load_drafter
 from dflash_trt.models.dflash_config import TargetInfo, validate_pair
 from dflash_trt.models.loader import load_native_target
@@ -130,13 +131,18 @@ class LLMEngine:
         per = self.target.config.kv_bytes_per_token(size)
         if self.drafter is not None:
             c = self.drafter.config
-            per += 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * size
+            per += PagedKVCache.bytes_per_token(
+                num_layers=c.num_hidden_layers,
+                num_kv_heads=c.num_key_value_heads,
+                head_dim=c.head_dim,
+                dtype=dtype,
+            )
         return per
 
     def _plan_pages(self, dtype: torch.dtype) -> int:
         cfg = self.config
         # Enough for max_batch_size requests of max_seq_len tokens each (reservations are per page).
-        full = cfg.max_batch_size * -(-cfg.max_seq_len // PAGE_SIZE) * PAGE_SIZE
+        full = cfg.max_batch_size * pages_for(cfg.max_seq_len, PAGE_SIZE) * PAGE_SIZE
         if cfg.kv_max_tokens is not None:
             tokens = cfg.kv_max_tokens
         elif self.device.type == "cuda":

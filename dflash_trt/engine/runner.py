@@ -274,7 +274,6 @@ class ModelRunner:
 
     def _eager(self, inputs: dict[str, list], tables: list[list[int]], g: int, width: int, flags: tuple):
         dev = self.device
-        bs = len(tables)
         if self.compiled:
             # torch.compile specialises sizes of 1: a second (padding) page keeps one-page contexts on
             # the general graph. (Batch 1 keeps its own graph: padding the batch would double a round's
@@ -282,12 +281,11 @@ class ModelRunner:
             width = max(width, 2)
         t = {k: torch.tensor(v, device=dev) for k, v in inputs.items()}
         rows = [p[:width] + [0] * (width - min(width, len(p))) for p in tables]
-        acc, emit, drafts = self._round_core(
+        return self._round_core(
             t["anchors"], t["starts"], t["block_lens"], torch.tensor(rows, dtype=torch.long, device=dev),
             t["num_pending"], t["rows"], t["seeds"], t["temps"].float(), t["top_k"], t["top_p"].float(),
             t["greedy_draft"], g=g, flags=flags,
         )  # fmt: skip
-        return acc[:bs], emit[:bs], drafts[:bs]
 
     def _round_core(
         self,

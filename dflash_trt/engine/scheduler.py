@@ -27,10 +27,6 @@ class ScheduledStep:
     chunks: list[tuple[int, int]] = field(default_factory=list)  # prompt tokens [lo, hi) per prefill
     decode: list[Request] = field(default_factory=list)  # requests that run a round this step
 
-    @property
-    def empty(self) -> bool:
-        return not (self.prefill or self.decode)
-
 
 class Scheduler:
     def __init__(
@@ -56,9 +52,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
-
-    def unfinished(self) -> list[Request]:
-        return [*self.waiting, *self.prefilling, *self.running]
 
     # --- transitions ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
