@@ -183,9 +183,12 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError("sampling_params", len(params), f"must be one per prompt ({len(prompts)})")
-        # Wake the engine once for the whole list, so that an idle engine admits it together.
-        handles = [self._submit(p, sp, streaming=False) for p, sp in zip(prompts, params)]
-        self._wake.set()
+        # Wake the engine once for the whole list, so that an idle engine admits it together (and also
+        # when a later prompt is refused: the ones queued before it still run and finish).
+        try:
+            handles = [self._submit(p, sp, streaming=False) for p, sp in zip(prompts, params)]
+        finally:
+            self._wake.set()
         results = [h.result() for h in handles]
         return results[0] if single else results
 
