@@ -106,8 +106,8 @@ def _kernel_rows(
 ):
     import torch
 
-    from dflash_trt.ops import accept, block_attention, context_kv, load_ops
-    from dflash_trt.ops.context_kv import stack_kv_weights
+    from dflash_trt.plugins import accept, block_attention, context_kv, load_ops
+    from dflash_trt.plugins.context_kv import stack_kv_weights
 
     load_ops()
     dev = torch.device("cuda")
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NO_DEVICE
-    from dflash_trt.ops import triton_installed
+    from dflash_trt.plugins import triton_installed
 
     if not triton_installed():
         print(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
-from dflash_trt.ops import default_enabled
+from dflash_trt.plugins import default_enabled
 from dflash_trt.spec.accept import greedy_accept, rejection_accept
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
@@ -131,10 +131,10 @@ class ModelRunner:
         self.static_rounds = static_rounds or self.cuda_graphs
         self._graphs: dict[tuple, Any] = {}
         self._graph_failed = False
-        self.plugins: Any = None  # dflash_trt.ops.drafting.DrafterPlugins when on
+        self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
         if use_plugins if use_plugins is not None else default_enabled(self.device):
-            from dflash_trt.ops.drafting import enable_plugins
+            from dflash_trt.plugins.drafting import enable_plugins
 
             self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
         self.compiled = compile

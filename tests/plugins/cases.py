@@ -146,7 +146,7 @@ PAGE = 4
 
 def ctx_inputs(case: CtxCase, seed: int = 0) -> tuple[tuple, list[torch.Tensor], list[torch.Tensor]]:
     """(args without the pools, k_caches, v_caches) for dflash::inject_context."""
-    from dflash_trt.ops.context_kv import stack_kv_weights
+    from dflash_trt.plugins.context_kv import stack_kv_weights
 
     gen = torch.Generator().manual_seed(seed)
     n, dim, hkv, d, layers = case.n, case.hidden, case.kv_heads, case.head_dim, case.layers

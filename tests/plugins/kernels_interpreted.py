@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - collected by
 import torch
 import triton  # noqa: F401  (a dev dependency; imported here, after the variable is set)
 
-from dflash_trt.ops import _registry, accept, block_attention, context_kv, load_ops
+from dflash_trt.plugins import _registry, accept, block_attention, context_kv, load_ops
 from tests.plugins import cases
 from tests.plugins.conftest import greedy_jobs, reference_greedy, run_engine
 

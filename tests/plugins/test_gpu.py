@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trt.ops import accept, block_attention, context_kv, load_ops
+from dflash_trt.plugins import accept, block_attention, context_kv, load_ops
 from tests.plugins import cases
 
 pytestmark = [
@@ -162,7 +162,7 @@ def test_torch_compile_on_device():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["plain", "swa", "gpt_oss"])
 def test_self_check_passes_on_device(variant, dtype):
-    from dflash_trt.ops.drafting import self_check
+    from dflash_trt.plugins.drafting import self_check
     from tests.conftest import make_drafter, make_target
     from tests.plugins.conftest import VARIANTS
 

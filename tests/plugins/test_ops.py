@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from dflash_trt.layers.kv_cache import context_index, slot_mapping
-from dflash_trt.ops import accept, block_attention, context_kv, load_ops
-from dflash_trt.ops.drafting import DrafterPlugins, enable_plugins, greedy_accept, rejection_accept
+from dflash_trt.plugins import accept, block_attention, context_kv, load_ops
+from dflash_trt.plugins.drafting import DrafterPlugins, enable_plugins, greedy_accept, rejection_accept
 from dflash_trt.spec import accept as verify
 from tests.conftest import make_drafter, make_target
 from tests.plugins import cases
@@ -223,7 +223,7 @@ def test_engine_with_plugins_is_lossless_for_drafter_variants(plugin_pair, varia
 
 def test_plugins_default_off_on_cpu(plugin_pair):
     from dflash_trt.engine.config import EngineConfig
-    from dflash_trt.ops import default_enabled
+    from dflash_trt.plugins import default_enabled
 
     assert EngineConfig().use_plugins is None
     assert not default_enabled(torch.device("cpu"))
@@ -235,7 +235,7 @@ def test_plugins_default_off_on_cpu(plugin_pair):
 def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog, target):
     """enable_plugins(check=True) runs every op against its reference; a kernel that disagrees or
     raises (as a kernel failing to compile would) disables the plugin with a warning."""
-    from dflash_trt.ops import _registry
+    from dflash_trt.plugins import _registry
 
     drafter = make_drafter(target, block_size=5, seed=2, std=0.5, variant="swa")
     plugins, g, _ = enable_plugins(drafter, torch.device("cpu"), check=True)
@@ -248,7 +248,7 @@ def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog,
         return acc * 0, emit
 
     monkeypatch.setattr(accept, "launch_greedy_accept", wrong_greedy)
-    with caplog.at_level(logging.WARNING, logger="dflash_trt.ops.drafting"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trt.plugins.drafting"):
         plugins, g, r = enable_plugins(drafter, torch.device("cpu"), check=True)
     assert plugins is None and g is verify.greedy_accept and r is verify.rejection_accept
     assert "greedy_accept disagrees" in caplog.text
@@ -262,13 +262,13 @@ def test_self_check_falls_back_on_a_wrong_or_failing_kernel(monkeypatch, caplog,
 
     monkeypatch.setattr(block_attention, "launch_block_attention", broken)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dflash_trt.ops.drafting"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trt.plugins.drafting"):
         plugins, _, _ = enable_plugins(drafter, torch.device("cpu"), check=True)
     assert plugins is None and "PassManager::run failed" in caplog.text
 
 
 def test_set_triton_on_cpu_refuses_without_the_interpreter(monkeypatch):
-    from dflash_trt.ops import _registry
+    from dflash_trt.plugins import _registry
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

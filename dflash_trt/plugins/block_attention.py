@@ -35,8 +35,8 @@ import torch
 from torch.nn import functional as F
 
 from dflash_trt.layers.masks import visibility_mask
-from dflash_trt.ops import _registry as reg
-from dflash_trt.ops._registry import jit, tl
+from dflash_trt.plugins import _registry as reg
+from dflash_trt.plugins._registry import jit, tl
 
 OP = "block_attention"
 DEFAULT_BLOCK_N = 64  # context keys per tile (untuned: see bench/plugin_kernels.py)

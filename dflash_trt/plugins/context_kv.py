@@ -38,8 +38,8 @@ import torch
 from torch.nn import functional as F
 
 from dflash_trt.layers.rope import apply_rope
-from dflash_trt.ops import _registry as reg
-from dflash_trt.ops._registry import jit, tl
+from dflash_trt.plugins import _registry as reg
+from dflash_trt.plugins._registry import jit, tl
 
 OP = "inject_context"
 

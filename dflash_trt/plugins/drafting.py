@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from dflash_trt.layers.rope import apply_rope
-from dflash_trt.ops import load_ops
+from dflash_trt.plugins import load_ops
 from dflash_trt.spec import accept as verify
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class DrafterPlugins:
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         load_ops()
-        from dflash_trt.ops.context_kv import stack_kv_weights
+        from dflash_trt.plugins.context_kv import stack_kv_weights
 
         self.drafter = drafter
         layers = [cast("DraftLayer", m) for m in drafter.layers]
@@ -193,7 +193,7 @@ def enable_plugins(
 def self_check(drafter: DFlashDrafter | None, device: torch.device) -> str | None:
     """Run each op on `device` (Triton on CUDA) against its reference on small random inputs of the
     drafter's sizes. Returns None when all agree, else a description of the first problem."""
-    from dflash_trt.ops import accept, block_attention, context_kv
+    from dflash_trt.plugins import accept, block_attention, context_kv
 
     gen = torch.Generator(device="cpu").manual_seed(0)
 

@@ -57,7 +57,7 @@ def set_triton_on_cpu(enabled: bool) -> None:
     if enabled and not (HAVE_TRITON and interpreting()):
         raise RuntimeError(
             "Triton kernels run on CPU tensors only under the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before importing triton (and dflash_trt.ops.* op modules)"
+            "before importing triton (and dflash_trt.plugins.* op modules)"
         )
     _TRITON_ON_CPU = enabled
 

@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from dflash_trt.ops import _registry as reg
-from dflash_trt.ops._registry import jit, tl
+from dflash_trt.plugins import _registry as reg
+from dflash_trt.plugins._registry import jit, tl
 from dflash_trt.spec import accept as verify
 from dflash_trt.spec.sampling import sample_from_probs
 
