@@ -105,12 +105,14 @@ def drafter_hf_config(
     variant: str = "plain",
     layers: int = 2,
     block_size: int = 4,
+    dflash2: bool | dict[str, int] = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """A z-lab v1 drafter config.json dict fitting `target`.
 
     variants: plain | gpt_oss (attention bias + yarn) | swa (sliding + full layers) |
     scaled (input_embedding_scale, output_multiplier, softcap) | llama3 (llama3 rope)
+    dflash2: make it a DFlash2DraftModel (True: DFLASH2_KEYS; a dict overrides some of them).
     """
     t = target.config
     cfg: dict[str, Any] = {
@@ -169,16 +171,25 @@ def drafter_hf_config(
         }
     elif variant != "plain":  # pragma: no cover
         raise ValueError(variant)
+    if dflash2:
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+        cfg["dflash_config"].update({**DFLASH2_KEYS, **(dflash2 if isinstance(dflash2, dict) else {})})
     cfg.update(extra)
     return cfg
 
 
+# Small DFlash 2 sizes for hidden 48: 3 taps (the published 2 would leave the third tap untested),
+# 6 groups of 8 channels, codebooks of rank 6, 4 candidates per slot.
+DFLASH2_KEYS = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 4}
+
+
 def make_drafter(target: Any, *, seed: int = 1, std: float = 0.3, **kwargs: Any):
+    from dflash_trt.models.dflash2 import drafter_class
     from dflash_trt.models.dflash_config import parse_dflash_config
-    from dflash_trt.models.drafter import DFlashDrafter
 
     cfg = parse_dflash_config(hf_config=drafter_hf_config(target, **kwargs))
-    return DFlashDrafter.random(cfg, seed=seed, std=std).eval()
+    return drafter_class(cfg).random(cfg, seed=seed, std=std).eval()
 
 
 @pytest.fixture

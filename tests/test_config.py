@@ -192,7 +192,7 @@ def test_optional_scales_nested_then_top_level():
 @pytest.mark.parametrize(
     ("changes", "pattern"),
     [
-        ({"architectures": ["DFlash2DraftModel"]}, r"architectures=.*not a z-lab DFlash v1 drafter"),
+        ({"architectures": ["EagleDraftModel"]}, r"architectures=.*not a z-lab DFlash drafter"),
         ({"speculators_model_type": "dflash"}, r"speculators checkpoint"),
         ({"num_key_value_heads": 3}, r"num_key_value_heads=3: must divide num_attention_heads=4"),
         ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),

@@ -11,6 +11,8 @@ Stages (each writes under --out, default build/out/tiny-pair; --stages picks a s
   drafter  `dflash-trt train-drafter` on code_prompts.jsonl with --regenerate (each prompt
            continued by the target's own greedy decoding), block 16, ending with tau on the
            held-out prompts
+  drafter2 the DFlash 2 drafter: the same data (the drafter stage's regeneration), budget and flags,
+           plus --dflash2 (convs and a top-8 selector)
   measure  tau on the held-out prompts, the embedded-engine benchmark (batch 1 and 8) and the
            `generate --json` speedup, into results.json
   install  copy both checkpoints (bf16) and the held-out prompts into dflash_trt/assets/tiny/
@@ -35,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(REPO))
 
-STAGES = ("target", "data", "drafter", "measure", "install")
+STAGES = ("target", "data", "drafter", "drafter2", "measure", "install")
 
 # The target: deep and narrow, so one target step costs many draft layers (CPU time per layer is
 # mostly per-op overhead at this width), with a byte vocabulary (the LM head is cheap).
@@ -67,6 +69,14 @@ DRAFTER_ARGS = [
     "--regen-batch-size", "64",
     "--eval-prompts", "32",
     "--seed", "0",
+]  # fmt: skip
+
+# The DFlash 2 drafter: v1's data, budget and flags, plus the convs (the published kernel 2, group 16)
+# and a selector over the top 8 (llama.cpp's DFlash 2 needs hidden >= top_k * (top_k + 1): <= 10 at 128).
+DRAFTER2_ARGS = [
+    *DRAFTER_ARGS,
+    "--dflash2", "--conv-kernel-size", "2", "--conv-group-size", "16", "--selector-rank", "64",
+    "--selector-top-k", "8",
 ]  # fmt: skip
 
 NUM_HELDOUT_PROMPTS = 32
@@ -145,7 +155,15 @@ def stage_data(out: Path) -> None:
 
 
 def stage_drafter(out: Path) -> None:
-    drafter = out / "drafter"
+    _train(out, out / "drafter", DRAFTER_ARGS)
+
+
+def stage_drafter2(out: Path) -> None:
+    """The DFlash 2 drafter, on the regeneration the v1 stage made (the same training data)."""
+    _train(out, out / "drafter2", [*DRAFTER2_ARGS, "--regen-cache", str(out / "drafter" / "regenerated")])
+
+
+def _train(out: Path, drafter: Path, args: list[str]) -> None:
     cmd = [
         sys.executable, "-m", "dflash_trt", "train-drafter",
         "--target", str(out / "target"),
@@ -153,7 +171,7 @@ def stage_drafter(out: Path) -> None:
         "--eval-data", str(out / "data" / "heldout_prompts.jsonl"),
         "--out", str(drafter),
         "--save-dtype", "bfloat16",
-        *DRAFTER_ARGS,
+        *args,
     ]  # fmt: skip
     if (drafter / "train_state.pt").is_file():
         cmd.append("--resume")

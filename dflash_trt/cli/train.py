@@ -74,6 +74,31 @@ def _prompt_len(value: str) -> tuple[int, int]:
     help="Mask id [default: <|MASK|>, else the first spare embedding row].",
 )
 @click.option(
+    "--dflash2",
+    is_flag=True,
+    help="Train a DFlash 2 drafter (DFlash2DraftModel: per-layer dynamic convs and a candidate selector); "
+    "implied by a DFlash 2 --drafter-config.",
+)
+@click.option("--conv-kernel-size", type=click.IntRange(min=1), help="DFlash 2 conv taps  [default: 2]")
+@click.option(
+    "--conv-group-size",
+    type=click.IntRange(min=1),
+    help="DFlash 2 channels per dynamic coefficient; must divide the hidden size  [default: 16]",
+)
+@click.option(
+    "--selector-rank", type=click.IntRange(min=1), help="DFlash 2 selector codebook rank  [default: 256]"
+)
+@click.option(
+    "--selector-top-k", type=click.IntRange(min=1), help="DFlash 2 candidates per slot  [default: 16]"
+)
+@click.option(
+    "--selector-loss-weight",
+    type=click.FloatRange(min=0.0),
+    default=1.0,
+    show_default=True,
+    help="DFlash 2: weight of the selector's K-way cross entropy.",
+)
+@click.option(
     "--num-anchors",
     type=click.IntRange(min=1),
     default=512,
@@ -168,7 +193,10 @@ def train_drafter(**opts: object) -> None:
 
     The target's embedding and LM head are shared and frozen; the drafter learns to fill blocks
     [anchor, MASK, ...] at random anchors inside the loss-masked tokens, conditioned on the
-    target's features, with the position-decayed cross entropy. The result in --out is a z-lab
+    target's features, with the position-decayed cross entropy. With --dflash2 it is a DFlash 2
+    drafter: its convolutions start as the identity and its selector learns a K-way cross entropy
+    over the drafter's top-K (true predecessor fed in, the label added when it is missing).
+    The result in --out is a z-lab
     checkpoint (config.json + model.safetensors) for `generate --drafter`, the engine, or the
     reference `dflash` package; it ends with tau on held-out prompts.
 
@@ -198,7 +226,9 @@ def train_drafter(**opts: object) -> None:
         else:
             click.echo(
                 f"step {entry['step']}/{entry['total']} loss {entry['loss']:.4f} "
-                f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e} ({entry['elapsed_s']:.0f} s)",
+                f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e}"
+                + (f" overturn {entry['overturn']:.2f}" if "overturn" in entry else "")
+                + f" ({entry['elapsed_s']:.0f} s)",
                 err=True,
             )
 

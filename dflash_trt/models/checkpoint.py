@@ -96,10 +96,11 @@ def load_drafter(
     dtype: torch.dtype | None = None,
     mask_token_id: int | None = None,
 ) -> DFlashDrafter:
-    """Load a z-lab DFlash drafter directory. Unknown or missing tensors are refused."""
+    """Load a z-lab DFlash drafter directory (v1 `DFlashDraftModel` or `DFlash2DraftModel`).
+    Unknown or missing tensors and wrong shapes are refused with the tensor's name."""
     import torch
 
-    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.dflash2 import drafter_class
 
     directory = Path(path)
     cfg = load_drafter_config(directory, mask_token_id=mask_token_id)
@@ -109,8 +110,10 @@ def load_drafter(
     state, quant = dequantize_state(state)  # FP8 weight-only drafters (dflash-trt build --quantize-drafter)
     if quant:
         log.info("drafter %s: %s weights dequantized on load", directory, quant)
+    if cfg.dflash2 is not None:
+        state = _codebook_names(state, directory)
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = drafter_class(cfg)(cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -124,8 +127,9 @@ def load_drafter(
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensor(s), e.g. {unexpected[:3]}")
         raise CheckpointError(
-            f"drafter weights in {directory} do not match its config.json: " + "; ".join(parts),
-            hint="check num_hidden_layers/attention_bias in config.json or re-download",
+            f"drafter weights in {directory} do not match its config.json "
+            f"({cfg.architecture}): " + "; ".join(parts),
+            hint=_mismatch_hint(cfg, missing, unexpected),
         )
     check_state_shapes(
         expected, state, what="drafter", hint="config.json and model.safetensors are from different drafters"
@@ -140,8 +144,38 @@ def load_drafter(
     return model
 
 
+# The published DFlash 2 checkpoints store the codebooks bare; transformers' nn.Embedding spelling adds
+# `.weight`. Both load; the bare one is what this module holds and what save_drafter writes.
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def _codebook_names(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """Map `candidate_selector.*_codebook.weight` to the bare published name (refusing both at once)."""
+    for name in _CODEBOOKS:
+        suffixed = f"{name}.weight"
+        if suffixed not in state:
+            continue
+        if name in state:
+            raise CheckpointError(
+                f"drafter weights in {directory} hold both {name!r} and {suffixed!r}",
+                hint="keep one spelling of each codebook (the published checkpoints use the bare name)",
+            )
+        state[name] = state.pop(suffixed)
+    return state
+
+
+def _mismatch_hint(cfg: DFlashConfig, missing: list[str], unexpected: list[str]) -> str:
+    """The likely cause of a name mismatch: a v1/DFlash 2 mix-up, else the usual config fields."""
+    dflash2_names = ("_conv.", "candidate_selector.")
+    if cfg.dflash2 is None and any(any(p in k for p in dflash2_names) for k in unexpected):
+        return "the weights are a DFlash 2 drafter's: set architectures to [DFlash2DraftModel] and its dflash_config keys"
+    if cfg.dflash2 is not None and missing and all(any(p in k for p in dflash2_names) for k in missing):
+        return "config.json says DFlash2DraftModel but the weights lack its convs/selector (a v1 drafter?)"
+    return "check num_hidden_layers/attention_bias in config.json or re-download"
+
+
 def save_drafter(model: DFlashDrafter, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors in the z-lab layout, atomically."""
+    """Write config.json + model.safetensors in the z-lab layout (DFlash 2: the published one), atomically."""
     from safetensors.torch import save_file
 
     from dflash_trt.utils.io import atomic_dir

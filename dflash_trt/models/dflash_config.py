@@ -14,6 +14,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dflash_trt.errors import CheckpointError, ConfigError, IncompatiblePairError
+from dflash_trt.models.dflash2_config import (
+    DFLASH2_ARCHITECTURE,
+    PUBLISHED,
+    DFlash2Params,
+    parse_dflash2_params,
+)
 from dflash_trt.models.features import build_target_layer_ids
 
 if TYPE_CHECKING:
@@ -21,13 +27,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
+V1_ARCHITECTURE = "DFlashDraftModel"
+SUPPORTED_ARCHITECTURES = (V1_ARCHITECTURE, DFLASH2_ARCHITECTURE)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
 class DFlashConfig:
-    """Resolved drafter configuration (z-lab v1 semantics)."""
+    """Resolved drafter configuration (z-lab v1 semantics; DFlash 2 adds `dflash2`)."""
 
     hidden_size: int  # D; equals the target's hidden size
     intermediate_size: int  # I (SwiGLU)
@@ -50,6 +57,7 @@ class DFlashConfig:
     final_logit_softcapping: float | None = None
     max_position_embeddings: int | None = None
     vocab_size: int | None = None
+    dflash2: DFlash2Params | None = None  # the convs and the selector of a DFlash2DraftModel
     dtype: str | None = field(default=None, compare=False)  # storage dtype, not semantics
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -58,6 +66,11 @@ class DFlashConfig:
     def max_draft_len(self) -> int:
         """Draft tokens per round. The only place `block_size - 1` is computed."""
         return self.block_size - 1
+
+    @property
+    def architecture(self) -> str:
+        """The checkpoint's `architectures[0]`: DFlashDraftModel or DFlash2DraftModel."""
+        return V1_ARCHITECTURE if self.dflash2 is None else DFLASH2_ARCHITECTURE
 
     @property
     def num_target_features(self) -> int:
@@ -78,17 +91,20 @@ class DFlashConfig:
         out = asdict(self)
         out["rope"] = self.rope.to_dict()
         out.pop("extra", None)
+        if self.dflash2 is None:
+            out.pop("dflash2")
         out["max_draft_len"] = self.max_draft_len
         return out
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The z-lab v1 `config.json` for this drafter (what `save_drafter` writes)."""
+        """The z-lab `config.json` for this drafter (what `save_drafter` writes): v1, or the
+        published DFlash 2 format with its four `dflash_config` keys."""
         rope_params: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
         rope_params.update({k: v for k, v in self.rope.to_dict().items() if k not in ("rope_type", "theta")})
         cfg: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "auto_map": {"AutoModel": f"dflash.{self.architecture}"},
             "block_size": self.block_size,
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
@@ -121,6 +137,8 @@ class DFlashConfig:
                 cfg["dflash_config"][key] = getattr(self, key)
         if self.final_logit_softcapping is not None:
             cfg["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.dflash2 is not None:
+            cfg["dflash_config"].update(self.dflash2.to_dict())
         if self.is_causal is not None:
             cfg["is_causal"] = self.is_causal
         cfg.update(self.extra)
@@ -167,7 +185,8 @@ _KNOWN_KEYS = frozenset(
 
 
 def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | None = None) -> DFlashConfig:
-    """Parse a z-lab v1 drafter `config.json` (as a dict) into a DFlashConfig.
+    """Parse a z-lab drafter `config.json` (as a dict) into a DFlashConfig: a v1
+    `DFlashDraftModel`, or a `DFlash2DraftModel` whose four extra keys land in `dflash2`.
 
     Accepts both checkpoint shapes (`block_size` top level or in `dflash_config`; they must agree
     when both are present), derives `target_layer_ids` from `num_target_layers` when absent, and
@@ -191,6 +210,9 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
     softcap = _softcap(cfg)
     eps = _float(cfg.get("rms_norm_eps"), "rms_norm_eps", 1e-6)
     assert eps is not None
+    dflash2 = None
+    if DFLASH2_ARCHITECTURE in (cfg.get("architectures") or ()):
+        dflash2 = parse_dflash2_params(cfg, hidden_size=shape["hidden_size"])
     return DFlashConfig(
         **shape,
         rms_norm_eps=eps,
@@ -208,13 +230,14 @@ def parse_dflash_config(*, hf_config: Mapping[str, Any], mask_token_id: int | No
         final_logit_softcapping=softcap,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         vocab_size=cfg.get("vocab_size"),
+        dflash2=dflash2,
         dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        extra={k: v for k, v in cfg.items() if k not in _KNOWN_KEYS},
+        extra={k: v for k, v in cfg.items() if k not in _KNOWN_KEYS and not (dflash2 and k in PUBLISHED)},
     )
 
 
 def _check_format(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Refuse checkpoints that are not z-lab DFlash v1; return the `dflash_config` mapping."""
+    """Refuse checkpoints that are not z-lab DFlash (v1 or 2); return the `dflash_config` mapping."""
     if cfg.get("speculators_model_type") or cfg.get("speculators_config"):
         raise ConfigError(
             "speculators_model_type",
@@ -222,13 +245,14 @@ def _check_format(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
             "this is a RedHat speculators checkpoint, not the z-lab DFlash v1 format",
             hint="use a z-lab DFlash drafter (architectures: [DFlashDraftModel])",
         )
-    archs = cfg.get("architectures") or ["DFlashDraftModel"]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    archs = cfg.get("architectures") or [V1_ARCHITECTURE]
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if len(set(known)) != 1:
         raise ConfigError(
             "architectures",
             archs,
-            "not a z-lab DFlash v1 drafter",
-            hint="DFlash2DraftModel and other variants are not supported; use a DFlashDraftModel checkpoint",
+            "not a z-lab DFlash drafter" if not known else "names both DFlash versions",
+            hint="use a DFlashDraftModel or DFlash2DraftModel checkpoint (other variants are not supported)",
         )
     nested = cfg.get("dflash_config") or {}
     if not isinstance(nested, dict):
@@ -415,6 +439,13 @@ def validate_pair(cfg: DFlashConfig, target: TargetInfo, *, block_size: int | No
                 f"out of range for the target's num_hidden_layers={target.num_hidden_layers}",
                 hint="use the drafter trained for this target",
             )
+    if cfg.dflash2 is not None and cfg.vocab_size != target.vocab_size:
+        raise IncompatiblePairError(
+            "drafter.vocab_size",
+            cfg.vocab_size,
+            f"the DFlash 2 selector's codebooks must have one row per target token (vocab_size={target.vocab_size})",
+            hint="use the DFlash 2 drafter trained for this target",
+        )
     if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_hidden_layers:
         log.warning(
             "drafter num_target_layers=%s but the target has %s layers",

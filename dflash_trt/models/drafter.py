@@ -98,13 +98,15 @@ class DFlashDrafter(nn.Module):
     """Weight names match z-lab checkpoints exactly (no prefix). The embedding and LM head are
     the target's and are bound with `bind_target`; they are not part of the state dict."""
 
+    layer_class: type[DraftLayer] = DraftLayer  # DFlash 2 drafters (models/dflash2.py) wrap it
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(config.num_target_features * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.rotary: RotaryEmbedding = RotaryEmbedding(
             config.rope, config.head_dim, max_position_embeddings=config.max_position_embeddings

@@ -6,6 +6,9 @@
                             (block_attention.py)
   dflash::greedy_accept     greedy verification (accept.py)
   dflash::rejection_accept  lossless rejection-sampling verification (accept.py)
+  dflash::dynamic_conv      DFlash 2's grouped dynamic causal conv, fused with its coefficients
+                            (dynamic_conv.py)
+  dflash::selector_walk     DFlash 2's candidate walk, one program per request (selector_walk.py)
 
 Each op's default implementation is its PyTorch reference (CPU); CUDA tensors dispatch to the
 Triton launcher. Importing this package imports neither torch nor triton: `load_ops()` registers the
@@ -19,8 +22,15 @@ import importlib
 import importlib.util
 from typing import Any
 
-OP_MODULES = ("context_kv", "block_attention", "accept")
-OPS = ("inject_context", "block_attention", "greedy_accept", "rejection_accept")
+OP_MODULES = ("context_kv", "block_attention", "accept", "dynamic_conv", "selector_walk")
+OPS = (
+    "inject_context",
+    "block_attention",
+    "greedy_accept",
+    "rejection_accept",
+    "dynamic_conv",
+    "selector_walk",
+)
 
 
 def triton_installed() -> bool:

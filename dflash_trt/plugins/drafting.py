@@ -6,7 +6,9 @@ swaps it in without other changes. What runs where in a round with plugins on:
   KV injection        dflash::inject_context (fc, hidden_norm, all layers' K/V, k_norm, RoPE, write)
   block pass, per layer: input_layernorm, q/k/v projections, q_norm/k_norm, RoPE, o_proj, MLP stay
                       PyTorch; the attention over [context ; block] is dflash::block_attention,
-                      reading the paged pools directly (no per-layer gather of the context)
+                      reading the paged pools directly (no per-layer gather of the context);
+                      a DFlash 2 layer's four convs are dflash::dynamic_conv
+  DFlash 2 selector   dflash::selector_walk (`selector_walk` here, for spec.selector.propose's `walk`)
   acceptance          dflash::greedy_accept / dflash::rejection_accept
 On CUDA the ops run their Triton kernels; on CPU their PyTorch references (or, under
 TRITON_INTERPRET=1 with `_registry.set_triton_on_cpu(True)`, the interpreted kernels).
@@ -29,6 +31,7 @@ from dflash_trt.spec import accept as verify
 
 if TYPE_CHECKING:
     from dflash_trt.layers.kv_cache import PagedKVCache
+    from dflash_trt.models.dflash2 import GroupedDynamicCausalConv
     from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 log = logging.getLogger(__name__)
@@ -95,7 +98,8 @@ class DrafterPlugins:
         ctx_lens: torch.Tensor,
         block_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """DFlashDrafter.forward_block with the attention on dflash::block_attention.
+        """DFlashDrafter.forward_block with the attention on dflash::block_attention (and, for a
+        DFlash 2 drafter, every conv on dflash::dynamic_conv: each row's taps stay in its block).
 
         block_embeds: [bs, B, D]; block_positions: [bs, B], which must be ctx_lens + j (the engine's
         layout: the block starts right after the context); ctx_index: [bs, Lc]; ctx_lens: [bs];
@@ -110,7 +114,10 @@ class DrafterPlugins:
         for i, module in enumerate(dr.layers):
             layer = cast("DraftLayer", module)
             a = layer.self_attn
+            convs = conv_pair(layer)  # DFlash 2: (attention_conv, mlp_conv), else None
             h = layer.input_layernorm(x)  # [bs, B, D]
+            if convs is not None:
+                h, coeff = conv_prepare(convs[0], h)
             q = a.q_norm(a.q_proj(h).unflatten(-1, (a.num_heads, a.head_dim)))  # [bs, B, H, d]
             q = apply_rope(q, cos, sin)
             k_blk, v_blk = a.project_kv(h, cos, sin)  # [bs, B, Hkv, d]
@@ -127,8 +134,14 @@ class DrafterPlugins:
                 layer.window or 0,
                 a.head_dim**-0.5,
             )  # [bs, B, H, d]
-            x = x + a.o_proj(o.reshape(bs, blk, a.num_heads * a.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            o = a.o_proj(o.reshape(bs, blk, a.num_heads * a.head_dim))
+            x = x + (o if convs is None else conv_finish(convs[0], o, coeff))
+            h = layer.post_attention_layernorm(x)
+            if convs is None:
+                x = x + layer.mlp(h)
+            else:
+                h, coeff = conv_prepare(convs[1], h)
+                x = x + conv_finish(convs[1], layer.mlp(h), coeff)
         return dr.norm(x)
 
     # the rest of the drafter is unchanged
@@ -137,6 +150,30 @@ class DrafterPlugins:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.drafter.compute_logits(hidden)
+
+
+# --- DFlash 2: the convs and the selector walk on their ops ---------------------------------------------
+def conv_pair(layer: DraftLayer) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv] | None:
+    """A DFlash 2 layer's (attention_conv, mlp_conv); None for a v1 layer."""
+    conv_a, conv_m = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)
+    return None if conv_a is None or conv_m is None else (conv_a, conv_m)
+
+
+def conv_prepare(conv: GroupedDynamicCausalConv, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GroupedDynamicCausalConv.prepare on dflash::dynamic_conv: h [bs, B, D] -> (out, coeff [bs, B, 2, K, G])."""
+    coeff = conv.coefficients(h)
+    return torch.ops.dflash.dynamic_conv(h, coeff, conv.base_kernel, 0, conv.group_size), coeff
+
+
+def conv_finish(conv: GroupedDynamicCausalConv, h: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
+    """GroupedDynamicCausalConv.finish on dflash::dynamic_conv."""
+    return torch.ops.dflash.dynamic_conv(h, coeff, conv.base_kernel, 1, conv.group_size)
+
+
+def selector_walk(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """spec.selector.selector_walk on dflash::selector_walk (pass as `propose(..., walk=selector_walk)`)."""
+    picks, q = torch.ops.dflash.selector_walk(*args)
+    return picks, q
 
 
 # --- acceptance with spec/accept.py's signatures --------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -27,9 +28,10 @@ from dflash_trt.layers.kv_cache import (
     pages_for,
     slot_mapping,
 )
+from dflash_trt.models.dflash2 import DFlash2Drafter, is_dflash2
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
-from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.accept import greedy_accept, rejection_accept, rejection_accept_candidates
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
@@ -41,6 +43,7 @@ from dflash_trt.spec.sampling import (
     seed_tensor,
     uniform,
 )
+from dflash_trt.spec.selector import Proposal, propose
 
 DRAFT_PAGE_SIZE = 16
 
@@ -54,6 +57,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length"
     num_draft_tokens: int = 0  # drafts proposed
     num_accepted_draft_tokens: int = 0
+    num_overturned: int = 0  # DFlash 2: drafts where the selector overturned the drafter's argmax
     block_size: int = 1
     extra: dict = field(default_factory=dict)
 
@@ -126,6 +130,7 @@ class _Draft:
     drafter: DFlashDrafter
     cache: PagedKVCache
     pages: SequencePages
+    num_overturned: int = 0  # DFlash 2: slots whose pick is not the drafter's argmax
 
     @classmethod
     def open(cls, drafter: DFlashDrafter, target: TargetAdapter, *, max_len: int, block_size: int) -> _Draft:
@@ -138,10 +143,11 @@ class _Draft:
 
     def propose(
         self, block: torch.Tensor, pending: torch.Tensor, start: int, sampler: _Sampler
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | Proposal | None:
         """Inject the target features of positions [start - len(pending), start), run the drafter
         over `block` [1, size] (anchor at `start`) and write its drafts into block[0, 1:].
-        Returns the draft distribution q [g, V], or None under greedy sampling (not needed)."""
+        Returns the draft distribution q [g, V] (DFlash 2: the selector's proposal, q over its
+        candidates), or None under greedy sampling (not needed)."""
         device = sampler.device
         size = block.shape[1]
         g = size - 1
@@ -160,6 +166,8 @@ class _Draft:
         )  # [1, size, D]
         draft_logits = self.drafter.compute_logits(hidden[0, 1:])  # [g, V]
         sampling = sampler.config
+        if is_dflash2(self.drafter):
+            return self._select(block, hidden[:, 1:], draft_logits[None], start, sampler)
         draft_probs = None
         if sampling.is_greedy or sampling.greedy_draft:
             block[0, 1:] = draft_logits.argmax(dim=-1)
@@ -171,6 +179,23 @@ class _Draft:
             u = sampler.uniform(start + 1, g, PURPOSE_DRAFT)[0]  # [g]
             block[0, 1:] = sample_from_probs(draft_probs, u)
         return draft_probs
+
+    def _select(
+        self, block: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, start: int, sampler: _Sampler
+    ) -> Proposal | None:
+        """DFlash 2: the selector's walk over the candidates (hidden [1, g, D], logits [1, g, V]) writes
+        the drafts into block[0, 1:]. Returns the proposal (q over the candidates), None when greedy."""
+        cfg = sampler.config
+        g = logits.shape[1]
+        selector = cast(DFlash2Drafter, self.drafter).candidate_selector
+        proposal = propose(
+            hidden=hidden, logits=logits, anchors=block[:, 0], selector=selector, temperature=sampler.temp,
+            greedy=torch.tensor([cfg.is_greedy or cfg.greedy_draft], device=sampler.device),
+            u=sampler.uniform(start + 1, g, PURPOSE_DRAFT),
+        )  # fmt: skip
+        block[0, 1:] = proposal.drafts[0]
+        self.num_overturned += int(proposal.overturned.sum())
+        return None if cfg.is_greedy else proposal
 
 
 def _check_request(
@@ -223,13 +248,28 @@ def _until_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
 
 
 def _accept(
-    block: torch.Tensor, logits: torch.Tensor, draft_probs: torch.Tensor | None, start: int, sampler: _Sampler
+    block: torch.Tensor,
+    logits: torch.Tensor,
+    draft_probs: torch.Tensor | Proposal | None,
+    start: int,
+    sampler: _Sampler,
 ) -> tuple[int, int]:
     """Compare the drafts block[0, 1:] with the target's logits [size, V] over the block:
     returns (a, token) where a drafts are accepted and `token` is the target's next token after
-    them (greedy: exact match of argmax; sampling: lossless rejection sampling)."""
+    them (greedy: exact match of argmax; sampling: lossless rejection sampling, with q over the
+    selector's candidates for DFlash 2)."""
     if sampler.config.is_greedy:
         acc, emit = greedy_accept(block[:, 1:], logits[None])
+    elif isinstance(draft_probs, Proposal):
+        g = block.shape[1] - 1
+        acc, emit = rejection_accept_candidates(
+            block[:, 1:],
+            draft_probs.candidates,
+            draft_probs.cand_probs,
+            sampler.probs(logits)[None],
+            sampler.uniform(start + 1, g, PURPOSE_ACCEPT),
+            sampler.uniform(start + 1, g + 1, PURPOSE_EMIT),
+        )
     else:
         g = block.shape[1] - 1
         assert g == 0 or draft_probs is not None
@@ -325,5 +365,6 @@ def spec_generate(
         finish_reason=finish,
         num_draft_tokens=drafted,
         num_accepted_draft_tokens=accepted_total,
+        num_overturned=draft.num_overturned if draft is not None else 0,
         block_size=block_size,
     )

@@ -70,3 +70,40 @@ def rejection_accept(
     dist = torch.where(empty, p_a, residual)
     emitted = sample_from_probs(dist, u_emit.gather(1, accepted[:, None]).squeeze(1))
     return accepted, emitted
+
+
+def rejection_accept_candidates(
+    draft_tokens: torch.Tensor,
+    candidates: torch.Tensor,
+    cand_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_emit: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_accept` with q given over each slot's candidates (DFlash 2's selector).
+
+    draft_tokens: [N, g]; candidates: [N, g, K] distinct token ids per slot; cand_probs: [N, g, K]
+    q(x) = cand_probs[k] where candidates[k] = x (0 off the candidates); the other arguments as in
+    `rejection_accept`. On a rejection the residual max(0, p - q) has q scattered over the candidates
+    (p itself if that is numerically empty); after g accepted drafts the bonus is drawn from p.
+    Returns (accepted [N], emitted [N]), equal to `rejection_accept` with q densified.
+    """
+    n, g = draft_tokens.shape
+    p_d = target_probs[:, :g].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [N, g]
+    q_d = (cand_probs * (candidates == draft_tokens[..., None])).sum(-1)  # [N, g]
+    ok = u_accept * q_d < p_d  # [N, g]
+    if valid is not None:
+        ok = ok & valid
+    accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [N]
+    rows = torch.arange(n, device=draft_tokens.device)
+    p_a = target_probs[rows, accepted]  # [N, V]
+    k = candidates.shape[-1]
+    # after the last draft there is no q: a zero row (at candidate index 0) leaves p unchanged
+    q_pad = torch.cat([cand_probs, cand_probs.new_zeros(n, 1, k)], dim=1)[rows, accepted]  # [N, K]
+    c_pad = torch.cat([candidates, candidates.new_zeros(n, 1, k)], dim=1)[rows, accepted]  # [N, K]
+    residual = p_a.scatter_add(-1, c_pad, -q_pad.to(p_a.dtype)).clamp_min(0)  # [N, V]
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    dist = torch.where(empty, p_a, residual)
+    emitted = sample_from_probs(dist, u_emit.gather(1, accepted[:, None]).squeeze(1))
+    return accepted, emitted

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from dflash_trt.layers.masks import apply_visibility
 from dflash_trt.layers.rope import apply_rope
+from dflash_trt.models.dflash2 import DFlash2Drafter, DFlash2DraftLayer
 from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 LOGIT_CHUNK_ROWS = 8192  # rows of LM-head logits materialised at once in the loss
@@ -193,14 +194,22 @@ def training_forward(
                 apply_visibility(q_pos, blk_pos[:, :, None, :], blk_base, causal=key[0], window=key[1]),
             )
         attn = layer.self_attn
+        convs = (layer.attention_conv, layer.mlp_conv) if isinstance(layer, DFlash2DraftLayer) else None
         hs = layer.input_layernorm(x)
+        if convs is not None:  # DFlash 2: the conv runs along each block's B slots (dim -2)
+            hs, coeff = convs[0].prepare(hs)
         q = attn.q_norm(attn.q_proj(hs).unflatten(-1, (attn.num_heads, attn.head_dim)))
         q = apply_rope(q, cos, sin)  # [bs, N, B, H, d]
         k_blk, v_blk = attn.project_kv(hs, cos, sin)  # [bs, N, B, Hkv, d]
         k_ctx, v_ctx = attn.project_kv(c, ctx_cos, ctx_sin)  # [bs, S, Hkv, d]
-        out = _attend(q, k_ctx, v_ctx, k_blk, v_blk, *vis[key], attn.head_dim**-0.5)
-        x = x + attn.o_proj(out.flatten(-2))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = attn.o_proj(_attend(q, k_ctx, v_ctx, k_blk, v_blk, *vis[key], attn.head_dim**-0.5).flatten(-2))
+        x = x + (out if convs is None else convs[0].finish(out, coeff))
+        hs = layer.post_attention_layernorm(x)
+        if convs is None:
+            x = x + layer.mlp(hs)
+        else:
+            hs, coeff = convs[1].prepare(hs)
+            x = x + convs[1].finish(layer.mlp(hs), coeff)
     return drafter.norm(x)
 
 
@@ -209,36 +218,100 @@ class LossStats:
     loss: float
     weight: float  # sum of weights
     acc: list[float]  # per slot j = 1..B-1: accuracy of argmax among supervised slots
-    tau: float  # 1 + mean accepted prefix over fully supervised blocks (greedy estimate)
+    tau: float  # 1 + mean accepted prefix over fully supervised blocks (greedy estimate; DFlash 2: the selector's)
+    selector_loss: float | None = None  # DFlash 2: the selector's K-way cross entropy
+    selector_acc: list[float] | None = (
+        None  # DFlash 2: per slot, the selector's pick (true predecessor) is right
+    )
+    overturn: float | None = None  # DFlash 2: share of supervised slots whose pick is not the argmax
+
+
+def selector_terms(
+    drafter: DFlash2Drafter,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    prev: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's training objective on M supervised slots (dflash2.md §3, teacher-forced).
+
+    hidden: [M, D] final-normed states; logits: [M, V]; labels: [M] the true tokens; prev: [M] the true
+    previous tokens (the anchor for slot 1). Candidates are the top-K of the logits, the label replacing
+    the weakest one when it is missing (so the K-way cross entropy always has its class).
+    Returns (cross entropy [M], hit [M]: the pick is the label and the label was a real candidate,
+    overturned [M]: the pick is not the logits' argmax).
+    """
+    from dflash_trt.spec.selector import pair_scores
+
+    sel = drafter.candidate_selector
+    unary, cand = torch.topk(logits, sel.top_k, dim=-1)  # [M, K], sorted: column K - 1 is the weakest
+    present = cand == labels[:, None]  # [M, K]
+    missing = ~present.any(dim=-1)  # [M]
+    cand = torch.where(missing[:, None] & (torch.arange(sel.top_k, device=cand.device) == sel.top_k - 1),
+                       labels[:, None], cand)  # fmt: skip
+    unary = logits.gather(-1, cand)  # [M, K] (the injected label keeps its own logit)
+    target = (cand == labels[:, None]).to(torch.int64).argmax(dim=-1)  # [M]
+    scores = unary.float() + pair_scores(
+        sel.predecessor_codebook[prev].float(),
+        sel.project(hidden).float(),
+        sel.successor_codebook[cand].float(),
+    )  # [M, K]
+    ce = F.cross_entropy(scores, target, reduction="none")
+    pick = scores.detach().argmax(dim=-1)
+    return ce, (pick == target) & ~missing, pick != 0
 
 
 def dflash_loss(
-    drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch
+    drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch, *, selector_weight: float = 1.0
 ) -> tuple[torch.Tensor, LossStats]:
-    """hidden: [bs, N, B, D] -> (scalar loss = sum(w * CE) / sum(w), statistics)."""
+    """hidden: [bs, N, B, D] -> (scalar loss = sum(w * CE) / sum(w), statistics). A DFlash 2 drafter adds
+    selector_weight * sum(w * CE_selector) / sum(w), its K-way cross entropy (`selector_terms`)."""
     sel = batch.weights > 0  # [bs, N, B]
     h = hidden[sel]  # [M, D]
     labels = batch.labels[sel]  # [M]
+    # the true previous token of slot j is the label of slot j - 1 (slot 0's label is the anchor)
+    prev = torch.cat([batch.labels[..., :1], batch.labels[..., :-1]], dim=-1)[sel]  # [M]
     w = batch.weights[sel].float()  # [M]
     total_w = w.sum()
+    dflash2 = drafter if isinstance(drafter, DFlash2Drafter) else None
     if h.shape[0] == 0:
         zero = hidden.sum() * 0.0
         return zero, LossStats(0.0, 0.0, [0.0] * (batch.block_size - 1), 1.0)
-    losses = []
-    correct = []
+    losses, correct, sel_losses, sel_hits, overturned = [], [], [], [], []
     for start in range(0, h.shape[0], LOGIT_CHUNK_ROWS):
-        logits = drafter.compute_logits(h[start : start + LOGIT_CHUNK_ROWS]).float()  # [m, V]
-        lab = labels[start : start + LOGIT_CHUNK_ROWS]
-        losses.append(F.cross_entropy(logits, lab, reduction="none"))
-        correct.append(logits.detach().argmax(-1) == lab)
-    ce = torch.cat(losses)
-    loss = (ce * w).sum() / total_w
-    hit = torch.zeros(sel.shape, dtype=torch.bool, device=hidden.device)
-    hit[sel] = torch.cat(correct)
-    with torch.no_grad():
-        per_slot = sel[..., 1:].sum(dim=(0, 1)).clamp(min=1)
-        acc = (hit[..., 1:].sum(dim=(0, 1)) / per_slot).tolist()
-        full = sel[..., 1:].all(dim=-1)  # [bs, N]: every slot supervised
-        prefix = hit[..., 1:].long().cumprod(dim=-1).sum(dim=-1)  # [bs, N]
-        tau = 1.0 + float(prefix[full].float().mean()) if bool(full.any()) else math.nan
-    return loss, LossStats(float(loss.detach()), float(total_w), acc, tau)
+        rows = slice(start, start + LOGIT_CHUNK_ROWS)
+        logits = drafter.compute_logits(h[rows]).float()  # [m, V]
+        losses.append(F.cross_entropy(logits, labels[rows], reduction="none"))
+        correct.append(logits.detach().argmax(-1) == labels[rows])
+        if dflash2 is not None:
+            ce, hit, over = selector_terms(dflash2, h[rows], logits, labels[rows], prev[rows])
+            sel_losses.append(ce)
+            sel_hits.append(hit)
+            overturned.append(over)
+    loss = (torch.cat(losses) * w).sum() / total_w
+    stats = _slot_stats(sel, torch.cat(correct))
+    stats.loss, stats.weight = float(loss.detach()), float(total_w)
+    if dflash2 is not None:
+        sel_loss = (torch.cat(sel_losses) * w).sum() / total_w
+        loss = loss + selector_weight * sel_loss
+        sel_stats = _slot_stats(sel, torch.cat(sel_hits))
+        stats.selector_loss, stats.selector_acc, stats.tau = (
+            float(sel_loss.detach()),
+            sel_stats.acc,
+            sel_stats.tau,
+        )
+        stats.overturn = float(torch.cat(overturned).float().mean())
+    return loss, stats
+
+
+@torch.no_grad()
+def _slot_stats(sel: torch.Tensor, hits: torch.Tensor) -> LossStats:
+    """Per-slot accuracy and the greedy tau estimate from hits [M] on the supervised slots sel [bs, N, B]."""
+    hit = torch.zeros(sel.shape, dtype=torch.bool, device=sel.device)
+    hit[sel] = hits
+    per_slot = sel[..., 1:].sum(dim=(0, 1)).clamp(min=1)
+    acc = (hit[..., 1:].sum(dim=(0, 1)) / per_slot).tolist()
+    full = sel[..., 1:].all(dim=-1)  # [bs, N]: every slot supervised
+    prefix = hit[..., 1:].long().cumprod(dim=-1).sum(dim=-1)  # [bs, N]
+    tau = 1.0 + float(prefix[full].float().mean()) if bool(full.any()) else math.nan
+    return LossStats(0.0, 0.0, acc, tau)

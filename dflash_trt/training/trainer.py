@@ -29,7 +29,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,12 @@ class TrainConfig:
     block_size: int | None = None  # default 16
     target_layer_ids: tuple[int, ...] | None = None  # default build_target_layer_ids(T, L)
     mask_token_id: int | None = None  # default <|MASK|>, else the first embedding row past the tokenizer
+    dflash2: bool = False  # a DFlash2DraftModel (convs + selector); also implied by --drafter-config
+    conv_kernel_size: int | None = None  # DFlash 2; default from --drafter-config, else the published 2
+    conv_group_size: int | None = None  # DFlash 2; default 16
+    selector_rank: int | None = None  # DFlash 2; default 256
+    selector_top_k: int | None = None  # DFlash 2; default 16
+    selector_loss_weight: float = 1.0  # DFlash 2: weight of the selector's K-way cross entropy
     num_anchors: int = 512
     gamma: float = 7.0
     seq_len: int = 2048
@@ -151,9 +157,13 @@ def build_drafter_hf_config(
     block_size: int | None,
     target_layer_ids: Sequence[int] | None,
     mask_token_id: int,
+    dflash2: Mapping[str, int | None] | None = None,
 ) -> dict[str, Any]:
     """The drafter's z-lab config.json: shapes from the target (hidden size must match; heads,
-    FFN and RoPE mirror it, as in the released drafters), then --drafter-config, then flags."""
+    FFN and RoPE mirror it, as in the released drafters), then --drafter-config, then flags.
+    `dflash2` (the four DFlash 2 keys, None = from --drafter-config, else the published values) makes
+    it a DFlash2DraftModel."""
+    from dflash_trt.models.dflash2_config import PUBLISHED
     from dflash_trt.models.features import build_target_layer_ids
 
     text = target_cfg.get("text_config") or target_cfg
@@ -177,7 +187,7 @@ def build_drafter_hf_config(
             cfg[key] = text[key]
     if base:
         cfg.update({k: v for k, v in base.items() if k not in ("dflash_config",)})
-        cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["architectures"] = ["DFlash2DraftModel" if dflash2 is not None else "DFlashDraftModel"]
     base_dflash = dict((base or {}).get("dflash_config") or {})
     layers = num_layers or int((base or {}).get("num_hidden_layers") or max(1, min(5, t_layers // 4)))
     cfg["num_hidden_layers"] = layers
@@ -187,6 +197,12 @@ def build_drafter_hf_config(
     base_dflash.pop("block_size", None)
     ids = target_layer_ids or base_dflash.get("target_layer_ids") or build_target_layer_ids(t_layers, layers)
     cfg["dflash_config"] = {**base_dflash, "mask_token_id": mask_token_id, "target_layer_ids": list(ids)}
+    for key, default in PUBLISHED.items():
+        if dflash2 is None:
+            break
+        top = cfg.pop(key, None)  # DFlash 2 keys live in dflash_config
+        given = dflash2.get(key)
+        cfg["dflash_config"][key] = given if given is not None else base_dflash.get(key, top or default)
     for key in ("layer_types",):  # a base config written for another depth cannot keep these
         if key in cfg and len(cfg[key]) != layers:
             cfg.pop(key)
@@ -234,6 +250,8 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.save_dtype not in ("float32", "bfloat16", "float16"),
          f"--save-dtype={cfg.save_dtype!r} is not supported", "use float32, bfloat16 or float16"),
         (cfg.eval_prompts < 0, f"--eval-prompts={cfg.eval_prompts} must be >= 0", "0 skips the evaluation"),
+        (not cfg.selector_loss_weight >= 0, f"--selector-loss-weight={cfg.selector_loss_weight} must be >= 0",
+         "1.0 weighs the selector's cross entropy like the drafter's"),
     ]  # fmt: skip
     for bad, message, hint in checks:
         if bad:
@@ -592,28 +610,49 @@ def _load_pair(cfg: TrainConfig) -> _Pair:
     target_cfg = json.loads((models.target_dir / "config.json").read_text())
     info: TargetInfo = target.info
     mask_id = resolve_mask_token_id(tokenizer, info.vocab_size, cfg.mask_token_id)
+    base = _read_drafter_config(cfg.drafter_config)
     hf_cfg = build_drafter_hf_config(
         target_cfg,
-        base=_read_drafter_config(cfg.drafter_config),
+        base=base,
         num_layers=cfg.num_layers,
         block_size=cfg.block_size,
         target_layer_ids=cfg.target_layer_ids,
         mask_token_id=mask_id,
+        dflash2=_dflash2_keys(cfg, base),
     )
     dcfg = parse_dflash_config(hf_config=hf_cfg)
     validate_pair(dcfg, info)
     return _Pair(dev, dt, models.target_dir, tokenizer, target, dcfg)
 
 
+def _dflash2_keys(cfg: TrainConfig, base: dict[str, Any] | None) -> dict[str, int | None] | None:
+    """The DFlash 2 flags when the run trains one (--dflash2, or a DFlash 2 --drafter-config), else None."""
+    flags = {
+        "conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+        "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k,
+    }  # fmt: skip
+    from_base = "DFlash2DraftModel" in ((base or {}).get("architectures") or ())
+    if not (cfg.dflash2 or from_base):
+        given = [k for k, v in flags.items() if v is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(f"{flag} applies to DFlash 2 drafters only", hint="add --dflash2")
+        return None
+    return flags
+
+
 def _init_drafter(
     cfg: TrainConfig, pair: _Pair, saved: dict[str, Any] | None
 ) -> tuple[DFlashDrafter, torch.optim.Optimizer, int]:
     """A seeded random drafter bound to the target's frozen embedding and head, its AdamW and the
-    first step; from the saved state when resuming."""
-    from dflash_trt.models.drafter import DFlashDrafter
+    first step; from the saved state when resuming. DFlash 2 convs start as the identity (the drafter
+    starts as a v1 one); the selector's small random codebooks start near the argmax."""
+    from dflash_trt.models.dflash2 import DFlash2Drafter, drafter_class
 
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter.random(pair.dcfg, seed=cfg.seed, std=0.02).to(pair.device)
+    drafter = drafter_class(pair.dcfg).random(pair.dcfg, seed=cfg.seed, std=0.02).to(pair.device)
+    if isinstance(drafter, DFlash2Drafter):
+        drafter.reset_convs()
     # Plain tensors, not Parameters: a bound Parameter would register in the drafter (its state
     # dict and its optimizer) although it belongs to the frozen target.
     head_w, head_b = pair.target.head()
@@ -676,6 +715,9 @@ def _train_loop(
                         "acc": [round(a, 4) for a in stats.acc], "lr": lr, "grad_norm": grad_norm,
                         "blocks": int(valid.sum()), "elapsed_s": round(time.perf_counter() - t_loop, 2),
                     }  # fmt: skip
+                    if stats.selector_acc is not None:
+                        entry.update(selector_loss=stats.selector_loss, overturn=round(stats.overturn or 0.0, 4),
+                                     selector_acc=[round(a, 4) for a in stats.selector_acc])  # fmt: skip
                     history.append(entry)
                     logf.write(json.dumps(entry) + "\n")
                     logf.flush()
@@ -723,7 +765,7 @@ def _train_step(run: _Run, *, warmup: int) -> tuple[Any, float, float, torch.Ten
         group["lr"] = lr
     with torch.autocast(dev.type, dtype=dt, enabled=dev.type == "cuda" and dt != torch.float32):
         hidden = training_forward(run.drafter, feats, ids, bb.anchors, bb.valid)
-        loss, stats = dflash_loss(run.drafter, hidden, bb)
+        loss, stats = dflash_loss(run.drafter, hidden, bb, selector_weight=cfg.selector_loss_weight)
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip))

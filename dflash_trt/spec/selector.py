@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DFlash 2's candidate selector as pure, batched tensor functions (dflash2.md §3).
+
+Per request and draft slot j = 1..g, the drafter's logits give K candidates and their unary scores
+(`top_candidates`); the selector then walks the slots in order, scoring candidate k against the
+token chosen for the previous slot (the anchor for slot 1):
+  score[k] = unary[j, k] + < P[prev] * H[j], S[cand[j, k]] >        (`pair_scores`)
+with P, S the predecessor/successor codebooks [V, R] and H = hidden_projection(h) [g, R].
+  greedy rows (T = 0, or greedy drafts): pick = argmax(score) (first maximal index), q one-hot;
+  sampled rows: q = softmax(score / T) over the K candidates (no top-k/top-p), pick ~ q by the
+  inverse CDF of the slot's keyed uniform (the engine's PURPOSE_DRAFT uniform at that position).
+The walk is sequential over the g slots only; every step is vectorised over the batch
+(`selector_walk`, and dflash::selector_walk with one Triton program per request).
+
+Acceptance is unchanged for greedy requests; sampled requests use `spec.accept.rejection_accept_candidates`,
+whose q is the walk's q scattered over the candidates (the candidates of a slot are distinct).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash_trt.spec.sampling import sample_from_probs
+
+if TYPE_CHECKING:
+    from dflash_trt.models.dflash2 import CandidateSelector
+
+WalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [..., V] -> (unary [..., K] in the logits' dtype, candidates [..., K] int64).
+
+    `sorted=False`, as the authors' reference: the order of the K candidates is whatever topk gives,
+    which only matters for exact ties (argmax takes the first maximal index)."""
+    unary, cand = torch.topk(logits, k, dim=-1, sorted=False)
+    return unary, cand
+
+
+def pair_scores(prev_rows: torch.Tensor, proj: torch.Tensor, succ_rows: torch.Tensor) -> torch.Tensor:
+    """prev_rows P[prev]: [N, R]; proj H[j]: [N, R]; succ_rows S[cand[j]]: [N, K, R] -> [N, K]."""
+    return torch.einsum("nr,nkr->nk", prev_rows * proj, succ_rows)
+
+
+def selector_walk(
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    proj: torch.Tensor,
+    anchors: torch.Tensor,
+    pred_codebook: torch.Tensor,
+    succ_codebook: torch.Tensor,
+    temperature: torch.Tensor,
+    u: torch.Tensor,
+    greedy: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential walk over g slots for N requests (PyTorch reference of dflash::selector_walk).
+
+    unary: [N, g, K]; candidates: [N, g, K] int64; proj: [N, g, R]; anchors: [N] int64;
+    pred_codebook, succ_codebook: [V, R]; temperature: [N] float32; u: [N, g] float32 in (0, 1);
+    greedy: [N] bool (argmax picks; rows with temperature <= 0 must be greedy).
+    Returns (picks [N, g] int64 indices into the K candidates, q [N, g, K] float32: softmax(score / T)
+    on sampled rows, one-hot at the pick on greedy rows). Scores are computed in float32.
+    """
+    n, g, k = candidates.shape
+    safe_t = torch.where(greedy | (temperature <= 0), torch.ones_like(temperature), temperature).float()
+    succ = succ_codebook[candidates].float()  # [N, g, K, R]
+    prev = anchors
+    picks, qs = [], []
+    for j in range(g):
+        scores = unary[:, j].float() + pair_scores(
+            pred_codebook[prev].float(), proj[:, j].float(), succ[:, j]
+        )
+        q = torch.softmax(scores / safe_t[:, None], dim=-1)  # [N, K]
+        pick = torch.where(greedy, scores.argmax(dim=-1), sample_from_probs(q, u[:, j]))  # [N]
+        one_hot = torch.zeros_like(q).scatter_(-1, pick[:, None], 1.0)
+        qs.append(torch.where(greedy[:, None], one_hot, q))
+        picks.append(pick)
+        prev = candidates[:, j].gather(1, pick[:, None])[:, 0]
+    if g == 0:
+        return candidates.new_zeros(n, 0), unary.new_zeros(n, 0, k, dtype=torch.float32)
+    return torch.stack(picks, dim=1), torch.stack(qs, dim=1)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One round's DFlash 2 drafts for N requests."""
+
+    drafts: torch.Tensor  # [N, g] int64: the chosen candidates
+    candidates: torch.Tensor  # [N, g, K] int64: token ids of each slot's candidates
+    cand_probs: torch.Tensor  # [N, g, K] float32: q over the candidates (one-hot on greedy rows)
+    picks: torch.Tensor  # [N, g] int64: index of each draft among its slot's candidates
+    overturned: torch.Tensor  # [N, g] bool: the pick is not the drafter's argmax
+
+    def dense_probs(self, vocab_size: int) -> torch.Tensor:
+        """q over the vocabulary [N, g, V] (zero off the candidates): the v1 rejection rule with this
+        q equals `rejection_accept_candidates` (for the dflash::rejection_accept op)."""
+        n, g, _ = self.candidates.shape
+        out = self.cand_probs.new_zeros(n, g, vocab_size)
+        return out.scatter_(-1, self.candidates, self.cand_probs)
+
+
+def propose(
+    *,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    selector: CandidateSelector,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    u: torch.Tensor,
+    walk: WalkFn = selector_walk,
+) -> Proposal:
+    """DFlash 2's proposal step for a batch.
+
+    hidden: [N, g, D] final-normed drafter states of slots 1..g; logits: [N, g, V] the drafter's logits
+    of those slots (`compute_logits`: the target's head, output_multiplier, softcap); anchors: [N];
+    temperature: [N]; greedy: [N] bool (T = 0 or greedy drafts); u: [N, g] the PURPOSE_DRAFT uniforms of
+    positions start + 1 .. start + g (ignored on greedy rows). `walk` is `selector_walk` or the
+    dflash::selector_walk op (same signature).
+    """
+    unary, cand = top_candidates(logits, selector.top_k)  # [N, g, K]
+    proj = selector.project(hidden)  # [N, g, R]
+    picks, q = walk(
+        unary, cand, proj, anchors, selector.predecessor_codebook, selector.successor_codebook,
+        temperature.float(), u.float(), greedy,
+    )  # fmt: skip
+    drafts = cand.gather(-1, picks[..., None])[..., 0]  # [N, g]
+    top1 = cand.gather(-1, unary.argmax(dim=-1, keepdim=True))[..., 0]  # [N, g]: the argmax token
+    return Proposal(drafts=drafts, candidates=cand, cand_probs=q, picks=picks, overturned=drafts != top1)
