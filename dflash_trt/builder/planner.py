@@ -11,9 +11,10 @@ from dflash_trt.builder.gpus import detect_gpu, get_profile
 from dflash_trt.builder.plan import BuildPlan, BuildRequest
 from dflash_trt.builder.resolve import resolve_pair
 from dflash_trt.builder.shapes import text_config
-from dflash_trt.builder.torch_backend import plan_torch
+from dflash_trt.builder.torch_backend import check_torch_target, plan_torch
 from dflash_trt.builder.trtllm_backend import check_requested_quant, plan_trtllm
 from dflash_trt.errors import ConfigError, UsageError
+from dflash_trt.models.dflash2_config import DFLASH2_ARCHITECTURE
 from dflash_trt.models.dflash_config import (
     TargetInfo,
     check_runtime_block_size,
@@ -79,6 +80,16 @@ def make_plan(req: BuildRequest) -> BuildPlan:
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if not isinstance(tcfg.get(key), int):
             raise ConfigError(f"target.{key}", tcfg.get(key), "missing from the target config.json")
+    # which backend can run the pair at all, from the architectures alone (before the full parse)
+    dflash2 = DFLASH2_ARCHITECTURE in (pair.drafter.config.get("architectures") or ())
+    if backend == "trtllm" and dflash2:
+        raise UsageError(
+            f"--drafter {pair.drafter.ref} is a DFlash2DraftModel: TensorRT-LLM cannot run DFlash 2 drafters "
+            "(it has only an RFC for their convolutions and candidate selector)",
+            hint="use --backend torch (the embedded engine runs DFlash 2), or a v1 DFlashDraftModel drafter",
+        )
+    if backend == "torch":
+        check_torch_target(pair, dflash2=dflash2)
     dcfg = parse_dflash_config(hf_config=pair.drafter.config)
     info = TargetInfo(
         hidden_size=tcfg["hidden_size"],

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Published z-lab DFlash drafters and their targets.
+"""Published z-lab DFlash drafters (v1 and DFlash 2) and their targets.
 
 Shapes and layer ids come from the drafters' config.json as read by third parties (see
 docs in the repository's shared notes); `build` reads config.json (see builder/configs.py), so a
@@ -28,6 +28,7 @@ class Entry:
     family: str
     notes: str = ""
     verified_ids: bool = True
+    architecture: str = "DFlashDraftModel"  # or DFlash2DraftModel (convs + candidate selector)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -35,8 +36,10 @@ class Entry:
         return out
 
 
-def _e(name, target, drafter, b, ids, t, n, d, att, gib, family, notes="", verified=True) -> Entry:
-    return Entry(name, target, drafter, b, tuple(ids), t, n, d, att, gib, family, notes, verified)
+def _e(
+    name, target, drafter, b, ids, t, n, d, att, gib, family, notes="", verified=True, arch="DFlashDraftModel"
+) -> Entry:
+    return Entry(name, target, drafter, b, tuple(ids), t, n, d, att, gib, family, notes, verified, arch)
 
 
 ENTRIES: tuple[Entry, ...] = (
@@ -76,6 +79,17 @@ ENTRIES: tuple[Entry, ...] = (
        "4 SWA(2048) + 1 full", 0.80, "gemma4", "MoE target; 6 tapped layers", verified=False),
     _e("kimi-k2.5", "moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", 8, [], 61, 6, 7168, "full", 6.48, "kimi",
        "1T-parameter MoE target (multi-node); 6 tapped layers", verified=False),
+    # DFlash 2 (DFlash2DraftModel). Their targets are hybrid or MoE architectures the embedded engine has no
+    # native model for, and TensorRT-LLM has only an RFC for DFlash 2: `build` refuses them by name.
+    _e("qwen3.8-27b", "Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2", 8, [1, 16, 31, 46, 61], 64, 5, 5120,
+       "5 SWA(2048)", 3.58, "qwen3_5", "DFlash 2 (R 256, top-16); hybrid Gated-DeltaNet VL target (qwen3_5); "
+       "incoai/Qwen3.8-27B-DFlash2 is the same drafter; vocab 248320", verified=False, arch="DFlash2DraftModel"),
+    _e("glm-5.3-flash", "zai-org/GLM-5.3-Flash", "incoai/GLM-5.3-Flash-DFlash2", 8, [], 0, 8, 4096, "full", 0.0,
+       "glm", "DFlash 2 with 9 taps; MoE target; third-party retrains exist", verified=False,
+       arch="DFlash2DraftModel"),
+    _e("beam-1.0", "reflection/Beam-1.0-501B-A23B", "reflection/Beam-1.0-501B-A23B-DFlash2", 8, [], 0, 5, 5120,
+       "5 SWA(4096)", 0.0, "beam", "DFlash 2 trained at block 16, served at 8; MoE target (bf16, FP8, NVFP4)",
+       verified=False, arch="DFlash2DraftModel"),
 )  # fmt: skip
 
 _BY_NAME = {e.name: e for e in ENTRIES}

@@ -106,6 +106,8 @@ def common_sections(
         "num_hidden_layers": dcfg.num_hidden_layers,
         "attention": ",".join(sorted(set(dcfg.layer_types))),
     }
+    if dcfg.dflash2 is not None:  # v1 manifests keep their exact shape
+        drafter.update(architecture=dcfg.architecture, dflash2=dcfg.dflash2.to_dict())
     speculative = {
         "decoding_type": "DFlash",
         "block_size": block,

@@ -19,20 +19,31 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.models.dflash_config import DFlashConfig
 
 
-def plan_torch(
-    req: BuildRequest, pair: ResolvedPair, profile: GpuProfile, dcfg: DFlashConfig, block: int
-) -> BuildPlan:
+def check_torch_target(pair: ResolvedPair, *, dflash2: bool) -> str:
+    """The target's model_type, refused by name when the embedded engine has no native model for it
+    (the hint offers TensorRT-LLM, except for DFlash 2 drafters, which it cannot run)."""
     from dflash_trt.models.target_config import SUPPORTED_MODEL_TYPES
 
     t = text_config(pair.target.config)
     model_type = t.get("model_type") or pair.target.config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = (pair.target.config.get("architectures") or ["?"])[0]
         raise ConfigError(
             "target.model_type",
             model_type,
-            f"is not supported by the embedded engine ({', '.join(SUPPORTED_MODEL_TYPES)})",
-            hint="use --backend trtllm --gpu ... for this target",
+            f"({arch}) is not supported by the embedded engine ({', '.join(SUPPORTED_MODEL_TYPES)})",
+            hint="no backend of dflash-trt runs a DFlash 2 drafter on this target yet"
+            if dflash2
+            else "use --backend trtllm --gpu ... for this target",
         )
+    return str(model_type)
+
+
+def plan_torch(
+    req: BuildRequest, pair: ResolvedPair, profile: GpuProfile, dcfg: DFlashConfig, block: int
+) -> BuildPlan:
+    model_type = check_torch_target(pair, dflash2=dcfg.dflash2 is not None)
+    t = text_config(pair.target.config)
     quant = req.quant
     if quant == "auto":
         quant = "none"

@@ -63,8 +63,8 @@ def _dynamic_conv_kernel(
     grp = ch // GROUP_SIZE
     acc = tl.zeros([BLOCK_D], tl.float32)
     for t in tl.static_range(KSIZE):
-        inside = i - t >= 0  # taps before the anchor read zero padding, never another row
-        xv = tl.load(x_ptr + n * sx0 + (i - t) * sx1 + ch, mask=ok & inside, other=0.0).to(tl.float32)
+        src = ch * 0 + (i - t)  # [BLOCK_D]: taps before the anchor read zero padding, never another row
+        xv = tl.load(x_ptr + n * sx0 + src * sx1 + ch, mask=ok & (src >= 0), other=0.0).to(tl.float32)
         bv = tl.load(b_ptr + (half * KSIZE + t) * dim + ch, mask=ok, other=0.0).to(tl.float32)
         cv = tl.load(c_ptr + n * sc0 + i * sc1 + (half * KSIZE + t) * GROUPS + grp, mask=ok, other=0.0).to(
             tl.float32

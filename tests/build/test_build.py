@@ -262,10 +262,10 @@ def test_models_command(capsys):
     gpt = next(r for r in rows if r["name"] == "gpt-oss-120b")
     assert gpt["drafter_id"] == "z-lab/gpt-oss-120b-DFlash" and gpt["block_size"] == 10
     offline = {r["name"] for r in rows if r["shipped_configs"]}
-    assert offline == {"gpt-oss-120b", "qwen3-8b", "llama-3.1-8b"}
+    assert offline == {"gpt-oss-120b", "qwen3-8b", "llama-3.1-8b", "qwen3.8-27b"}
     code, out, _ = run(["models"], capsys)
     assert code == 0 and "gpt-oss-120b" in out and "z-lab/Qwen3-8B-DFlash-b16" in out
-    assert sum(line.endswith("(offline)") for line in out.splitlines()) == 3
+    assert sum(line.endswith("(offline)") for line in out.splitlines()) == 4
 
 
 def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, capsys):
