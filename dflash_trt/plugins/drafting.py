@@ -302,6 +302,38 @@ def self_check(drafter: DFlashDrafter | None, device: torch.device) -> str | Non
         for a, b in zip((*k1, *v1), (*k2, *v2)):
             if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
                 return "dflash::inject_context disagrees with its reference"
+        if conv_pair(cast("DraftLayer", drafter.layers[0])) is not None:
+            return _check_dflash2(drafter, rand, tol)
     except Exception as exc:  # a kernel that fails to compile or launch on this device
         return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _check_dflash2(drafter: DFlashDrafter, rand: Callable[..., torch.Tensor], tol: float) -> str | None:
+    """The DFlash 2 ops at the drafter's sizes against their references (part of `self_check`)."""
+    from dflash_trt.plugins import dynamic_conv, selector_walk
+
+    convs = conv_pair(cast("DraftLayer", drafter.layers[0]))
+    assert convs is not None
+    conv = convs[0]
+    dtype = conv.base_kernel.dtype
+    x = rand(3, drafter.config.block_size, drafter.config.hidden_size, dtype=dtype)
+    coeff = conv.coefficients(x)
+    for half in (0, 1):
+        got = torch.ops.dflash.dynamic_conv(x, coeff, conv.base_kernel, half, conv.group_size).float()
+        want = dynamic_conv.dynamic_conv_reference(x.float(), coeff.float(), conv.base_kernel.float(), half,
+                                                   conv.group_size)  # fmt: skip
+        if not torch.allclose(got, want, atol=tol, rtol=tol):
+            return "dflash::dynamic_conv disagrees with its reference"
+    sel = drafter.candidate_selector  # type: ignore[union-attr]
+    n, g, vocab = 3, drafter.config.max_draft_len, sel.predecessor_codebook.shape[0]
+    unary, cand = torch.topk(rand(n, g, vocab), min(sel.top_k, vocab), dim=-1, sorted=False)
+    args = (unary, cand, sel.project(rand(n, g, drafter.config.hidden_size, dtype=dtype)),
+            cand[:, 0, 0].contiguous(), sel.predecessor_codebook, sel.successor_codebook,
+            torch.tensor([0.0, 1.0, 0.7], device=unary.device), torch.rand(n, g, device=unary.device) * 0.98 + 0.01,
+            torch.tensor([True, False, False], device=unary.device))  # fmt: skip
+    picks, q = torch.ops.dflash.selector_walk(*args)
+    want_picks, want_q = selector_walk.selector_walk_reference(*args)
+    if not torch.equal(picks[0], want_picks[0]) or not torch.allclose(q, want_q, atol=1e-3, rtol=1e-3):
+        return "dflash::selector_walk disagrees with its reference"
     return None

@@ -111,3 +111,38 @@ def test_torch_compile_fullgraph_calls_the_dflash2_ops():
     for a, b in zip(want, got):
         torch.testing.assert_close(a, b)
     assert torch.equal(want[1], walk_reference(*walk)[0])
+
+
+def test_self_check_covers_the_dflash2_ops(monkeypatch, caplog, target):
+    """enable_plugins(check=True) also runs dflash::dynamic_conv and dflash::selector_walk at a DFlash 2
+    drafter's sizes; a wrong kernel disables the plugin with a warning naming it."""
+    import logging
+
+    from dflash_trt.plugins import _registry, accept, block_attention, context_kv
+    from dflash_trt.plugins.drafting import enable_plugins
+
+    drafter = make_drafter(target, block_size=5, seed=2, std=0.5, dflash2=True)
+    assert enable_plugins(drafter, torch.device("cpu"), check=True)[0] is not None
+    monkeypatch.setattr(_registry, "_TRITON_ON_CPU", True)  # route every op to its (patched) launcher
+    monkeypatch.setattr(accept, "launch_greedy_accept", accept.greedy_accept_reference)
+    monkeypatch.setattr(accept, "launch_rejection_accept", accept.rejection_accept_reference)
+    monkeypatch.setattr(context_kv, "launch_inject_context", context_kv.inject_context_reference)
+    monkeypatch.setattr(block_attention, "launch_block_attention", block_attention.block_attention_reference)
+    monkeypatch.setattr(
+        dynamic_conv, "launch_dynamic_conv", lambda *a: dynamic_conv.dynamic_conv_reference(*a) * 1.5
+    )
+    monkeypatch.setattr(selector_walk, "launch_selector_walk", selector_walk.selector_walk_reference)
+    with caplog.at_level(logging.WARNING, logger="dflash_trt.plugins.drafting"):
+        assert enable_plugins(drafter, torch.device("cpu"), check=True)[0] is None
+    assert "dynamic_conv disagrees" in caplog.text
+    monkeypatch.setattr(dynamic_conv, "launch_dynamic_conv", dynamic_conv.dynamic_conv_reference)
+
+    def wrong_walk(*args):
+        picks, q = selector_walk.selector_walk_reference(*args)
+        return (picks + 1) % q.shape[-1], q
+
+    monkeypatch.setattr(selector_walk, "launch_selector_walk", wrong_walk)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_trt.plugins.drafting"):
+        assert enable_plugins(drafter, torch.device("cpu"), check=True)[0] is None
+    assert "selector_walk disagrees" in caplog.text
