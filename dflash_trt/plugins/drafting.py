@@ -31,7 +31,7 @@ from dflash_trt.spec import accept as verify
 
 if TYPE_CHECKING:
     from dflash_trt.layers.kv_cache import PagedKVCache
-    from dflash_trt.models.dflash2 import GroupedDynamicCausalConv
+    from dflash_trt.models.dflash2 import CandidateSelector, GroupedDynamicCausalConv
     from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ def _check_dflash2(drafter: DFlashDrafter, rand: Callable[..., torch.Tensor], to
                                                    conv.group_size)  # fmt: skip
         if not torch.allclose(got, want, atol=tol, rtol=tol):
             return "dflash::dynamic_conv disagrees with its reference"
-    sel = drafter.candidate_selector  # type: ignore[union-attr]
+    sel = cast("CandidateSelector", drafter.candidate_selector)
     n, g, vocab = 3, drafter.config.max_draft_len, sel.predecessor_codebook.shape[0]
     unary, cand = torch.topk(rand(n, g, vocab), min(sel.top_k, vocab), dim=-1, sorted=False)
     args = (unary, cand, sel.project(rand(n, g, drafter.config.hidden_size, dtype=dtype)),
