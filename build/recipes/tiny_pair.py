@@ -15,7 +15,9 @@ Stages (each writes under --out, default build/out/tiny-pair; --stages picks a s
            plus --dflash2 (convs and a top-8 selector)
   measure  tau on the held-out prompts, the embedded-engine benchmark (batch 1 and 8) and the
            `generate --json` speedup, into results.json
-  install  copy both checkpoints (bf16) and the held-out prompts into dflash_trt/assets/tiny/
+  compare2 tau of v1 and DFlash 2 side by side on the held-out prompts (results2.json)
+  install  copy both checkpoints (bf16) and the held-out prompts into dflash_trt/assets/tiny/, and the
+           DFlash 2 drafter into assets/tiny/drafter-dflash2 when compare2 measured it ahead of v1
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(REPO))
 
-STAGES = ("target", "data", "drafter", "drafter2", "measure", "install")
+STAGES = ("target", "data", "drafter", "drafter2", "measure", "compare2", "install")
 
 # The target: deep and narrow, so one target step costs many draft layers (CPU time per layer is
 # mostly per-op overhead at this width), with a byte vocabulary (the LM head is cheap).
@@ -79,6 +81,7 @@ DRAFTER2_ARGS = [
     "--selector-top-k", "8",
 ]  # fmt: skip
 
+ASSETS = REPO / "dflash_trt" / "assets" / "tiny"
 NUM_HELDOUT_PROMPTS = 32
 NUM_TRAIN_PROMPTS = 2500
 MAX_NEW_TOKENS = 128
@@ -261,6 +264,64 @@ def stage_measure(out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
+def stage_compare2(out: Path) -> None:
+    """tau of the v1 and DFlash 2 drafters on the held-out prompts in the reference loop, side by side in
+    one run (greedy and T = 0.7): DFlash 2 as published, and with its selector off (the argmax of its
+    drafter, convs kept) to separate the two modules' shares. Writes results2.json."""
+    import copy
+
+    import torch
+
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.sampling import SamplingConfig
+
+    target_dir = out / "target"
+    prompts = json.loads((out / "data" / "heldout_prompts.json").read_text())["prompts"]
+    tok = load_tokenizer(target_dir)
+    target = HFTarget.from_pretrained(target_dir, device=torch.device("cpu"), dtype=torch.float32)
+    stops = default_stop_token_ids(target_dir, tok)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    v1 = load_drafter(out / "drafter" if (out / "drafter" / "config.json").is_file() else ASSETS / "drafter",
+                      dtype=torch.float32)  # fmt: skip
+    d2 = load_drafter(out / "drafter2", dtype=torch.float32)
+    argmax = copy.deepcopy(d2)
+    with torch.no_grad():
+        argmax.candidate_selector.hidden_projection.weight.zero_()  # pair term 0: the pick is the argmax
+    drafters = {"v1": v1, "dflash2": d2, "dflash2_argmax": argmax}
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "prompts": len(ids),
+        "max_new_tokens": MAX_NEW_TOKENS,
+    }
+    for mode, sampling in (("greedy", None), ("t0.7", SamplingConfig(temperature=0.7, seed=0))):
+        for name, drafter in drafters.items():
+            taus, rounds, drafted, overturned, outputs = [], [], 0, 0, []
+            for prompt in ids:
+                r = spec_generate(target, drafter, prompt, max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=stops,
+                                  sampling=sampling)  # fmt: skip
+                taus.append(r.mean_acceptance_length)
+                rounds += r.acceptance_lengths
+                drafted, overturned = drafted + r.num_draft_tokens, overturned + r.num_overturned
+                outputs.append(r.output_ids)
+            entry = {"tau": sum(taus) / len(taus), "tau_pooled": sum(rounds) / len(rounds),
+                     "overturn_share": overturned / max(1, drafted), "per_prompt_tau": [round(t, 2) for t in taus]}  # fmt: skip
+            if mode == "greedy":
+                entry["identical_to_v1"] = name == "v1" or outputs == results["greedy"]["v1"]["outputs"]
+                entry["outputs"] = outputs
+            results.setdefault(mode, {})[name] = entry
+            log.info("%s %s: tau %.2f (pooled %.2f), overturned %.1f%% of drafts", mode, name, entry["tau"],
+                     entry["tau_pooled"], 100 * entry["overturn_share"])  # fmt: skip
+    for mode in ("greedy", "t0.7"):
+        results[mode]["ratio_dflash2_over_v1"] = results[mode]["dflash2"]["tau"] / results[mode]["v1"]["tau"]
+    for entry in results["greedy"].values():
+        if isinstance(entry, dict):
+            entry.pop("outputs", None)
+    (out / "results2.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
 def _summary(points: list[dict[str, Any]]) -> dict[str, Any]:
     by = {p["mode"]: p for p in points}
     ar, df = by["ar"], by["dflash"]
@@ -301,28 +362,40 @@ def _pool_batch1(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stage_install(out: Path) -> None:
+    """Copy what the earlier stages made into the package (a part that was not built is left as it is).
+    The DFlash 2 drafter goes in beside v1 only when compare2 measured it ahead of v1 (results2.json)."""
     assets = REPO / "dflash_trt" / "assets" / "tiny"
+    drafter_files = ("config.json", "model.safetensors", "train_args.json", "eval.json")
     keep = {
         "target": ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "training.json"),
-        "drafter": ("config.json", "model.safetensors", "train_args.json", "eval.json"),
+        "drafter": drafter_files,
     }  # fmt: skip
+    compare = out / "results2.json"
+    if compare.is_file() and json.loads(compare.read_text())["greedy"]["ratio_dflash2_over_v1"] > 1.0:
+        keep["drafter2"] = (*drafter_files, "results2.json")
+        shutil.copyfile(compare, out / "drafter2" / "results2.json")
+    elif (out / "drafter2").is_dir():
+        log.info("the DFlash 2 drafter is not installed: compare2 did not measure it ahead of v1")
     for part, names in keep.items():
-        dst = assets / part
+        if not (out / part / "config.json").is_file():
+            log.info("%s was not built under %s; the installed copy stays", part, out)
+            continue
+        dst = assets / ("drafter-dflash2" if part == "drafter2" else part)
         if dst.exists():
             shutil.rmtree(dst)
         dst.mkdir(parents=True)
         for name in names:
             if (out / part / name).is_file():
                 shutil.copyfile(out / part / name, dst / name)
-    # The drafter's recorded arguments name this machine's paths; keep them relative to the repo.
-    args_file = assets / "drafter" / "train_args.json"
-    if args_file.is_file():
-        train_args = json.loads(args_file.read_text())
-        for key, value in train_args.items():
-            if isinstance(value, str) and value.startswith(str(REPO) + os.sep):
-                train_args[key] = os.path.relpath(value, REPO)
-        args_file.write_text(json.dumps(train_args, indent=2) + "\n")
+        # The drafter's recorded arguments name this machine's paths; keep them relative to the repo.
+        args_file = dst / "train_args.json"
+        if args_file.is_file():
+            train_args = json.loads(args_file.read_text())
+            for key, value in train_args.items():
+                if isinstance(value, str) and os.path.isabs(value) and "build/out/" in value:
+                    train_args[key] = value[value.index("build/out/") :]
+            args_file.write_text(json.dumps(train_args, indent=2) + "\n")
     shutil.copyfile(out / "data" / "heldout_prompts.json", assets / "heldout_prompts.json")
     size = sum(p.stat().st_size for p in assets.rglob("*") if p.is_file())
     log.info("installed the tiny pair into %s (%.2f MB)", assets, size / 1e6)
