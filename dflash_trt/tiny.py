@@ -7,6 +7,8 @@ greedy continuations. Both were made by one command, `make tiny-pair`
 (build/recipes/tiny_pair.py), and live in `dflash_trt/assets/tiny/` in the z-lab/Hugging Face
 layout, so they load through exactly the same checkpoint code as real models. The held-out
 prompts (from stdlib files neither model saw) that the recipe measured tau on ship with them.
+Beside the v1 drafter ships a DFlash 2 drafter for the same target (`drafter-dflash2`, trained with the
+same data and budget; `--drafter tiny-dflash2`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 
 TINY_NAME = "tiny"
+TINY_DFLASH2_NAME = "tiny-dflash2"  # --drafter name of the packaged DFlash 2 drafter for the tiny target
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
 # ChatML over the tiny tokenizer's own special tokens, shipped as target/chat_template.jinja (the
@@ -31,18 +34,24 @@ CHAT_TEMPLATE = (
 _REQUIRED = {
     "target": ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"),
     "drafter": ("config.json", "model.safetensors"),
+    "drafter-dflash2": ("config.json", "model.safetensors"),
 }
 
 
 @dataclass(frozen=True)
 class TinyPaths:
     target: Path
-    drafter: Path
+    drafter: Path  # the v1 DFlash drafter (the default)
+    drafter_dflash2: Path  # the DFlash 2 drafter
 
 
 def ensure_tiny() -> TinyPaths:
     """The packaged tiny pair's directories (read-only; nothing is created or downloaded)."""
-    paths = TinyPaths(target=ASSETS_DIR / "target", drafter=ASSETS_DIR / "drafter")
+    paths = TinyPaths(
+        target=ASSETS_DIR / "target",
+        drafter=ASSETS_DIR / "drafter",
+        drafter_dflash2=ASSETS_DIR / "drafter-dflash2",
+    )
     missing = [f"{part}/{name}" for part, names in _REQUIRED.items() for name in names
                if not (ASSETS_DIR / part / name).is_file()]  # fmt: skip
     if missing:

@@ -33,6 +33,8 @@ def test_wheel_contents(tmp_path):
         "dflash_trt/assets/tiny/target/model.safetensors",
         "dflash_trt/assets/tiny/target/tokenizer.json",
         "dflash_trt/assets/tiny/drafter/model.safetensors",
+        "dflash_trt/assets/tiny/drafter-dflash2/model.safetensors",
+        "dflash_trt/builder/data/configs/z-lab--Qwen3.8-27B-DFlash2/config.json",
         "dflash_trt/assets/tiny/heldout_prompts.json",
     ):
         assert required in names, required

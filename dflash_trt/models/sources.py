@@ -21,8 +21,9 @@ class ResolvedModels:
 
 
 def resolve_models(target: str, drafter: str | None = None) -> ResolvedModels:
-    """`tiny` -> the embedded pair; a directory -> itself. `drafter` overrides the default drafter."""
-    from dflash_trt.tiny import TINY_NAME, ensure_tiny
+    """`tiny` -> the embedded pair; a directory -> itself. `drafter` overrides the default drafter
+    (`tiny-dflash2`: the packaged DFlash 2 drafter of the tiny target)."""
+    from dflash_trt.tiny import TINY_DFLASH2_NAME, TINY_NAME, ensure_tiny
 
     default_drafter: Path | None = None
     if target == TINY_NAME:
@@ -35,7 +36,10 @@ def resolve_models(target: str, drafter: str | None = None) -> ResolvedModels:
                 f"--target={target!r} is neither a known model name nor a directory",
                 hint="use --target tiny, or a directory written by transformers save_pretrained",
             )
-    drafter_dir = Path(drafter).expanduser() if drafter else default_drafter
+    if drafter == TINY_DFLASH2_NAME:
+        drafter_dir: Path | None = ensure_tiny().drafter_dflash2
+    else:
+        drafter_dir = Path(drafter).expanduser() if drafter else default_drafter
     if drafter_dir is not None and not drafter_dir.is_dir():
         raise UsageError(
             f"--drafter={str(drafter_dir)!r} is not a directory", hint="pass a z-lab DFlash drafter directory"
