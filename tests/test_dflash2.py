@@ -308,8 +308,12 @@ def test_walk_matches_its_definition_and_is_batch_independent():
         }
         p1, q1 = selector_walk(**one)
         assert torch.equal(p1[0], picks[r]) and torch.equal(q1[0], q[r])
-    # the walk follows its own picks: slot j's predecessor is slot j - 1's chosen candidate
     assert (q.sum(-1) - 1).abs().max() < 1e-5
+    # every row greedy: any_sampled=False skips the draws and gives the same walk
+    greedy_args = {**args, "greedy": torch.ones(5, dtype=torch.bool)}
+    p_all, q_all = selector_walk(**greedy_args)
+    p_fast, q_fast = selector_walk(**greedy_args, any_sampled=False)
+    assert torch.equal(p_all, p_fast) and torch.equal(q_all, q_fast)
 
 
 def test_sampled_picks_follow_q():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -170,7 +170,7 @@ def conv_finish(conv: GroupedDynamicCausalConv, h: torch.Tensor, coeff: torch.Te
     return torch.ops.dflash.dynamic_conv(h, coeff, conv.base_kernel, 1, conv.group_size)
 
 
-def selector_walk(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def selector_walk(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """spec.selector.selector_walk on dflash::selector_walk (pass as `propose(..., walk=selector_walk)`)."""
     picks, q = torch.ops.dflash.selector_walk(*args)
     return picks, q

@@ -9,6 +9,7 @@ Contract (N requests, g slots, K candidates, rank R, vocabulary V) — `spec.sel
   anchors      [N]         int64: the token before slot 1
   pred_codebook, succ_codebook  [V, R] (unit stride in R)
   temperature  [N] float32; u [N, g] float32 in (0, 1); greedy [N] bool
+  any_sampled  False: every row is greedy (the kernel's draw is then never taken; it costs K exps)
   -> picks [N, g] int64 (index into the K candidates), q [N, g, K] float32
 Slot j: score[k] = unary[j, k] + sum_r P[prev, r] * H[j, r] * S[cand[j, k], r]; greedy rows take the first
 maximal score (q one-hot), sampled rows q = softmax(score / T) and the first k whose running sum of q
@@ -104,6 +105,7 @@ def launch_selector_walk(
     temperature: torch.Tensor,
     u: torch.Tensor,
     greedy: torch.Tensor,
+    any_sampled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     op = "selector_walk"
     reg.require_triton(op)
@@ -168,9 +170,21 @@ def selector_walk(
     temperature: torch.Tensor,
     u: torch.Tensor,
     greedy: torch.Tensor,
+    any_sampled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (CPU) implementation: the reference; the Triton kernel under the interpreter switch."""
-    args = (unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy)
+    args = (
+        unary,
+        candidates,
+        proj,
+        anchors,
+        pred_codebook,
+        succ_codebook,
+        temperature,
+        u,
+        greedy,
+        any_sampled,
+    )
     if reg.triton_on_cpu():
         return launch_selector_walk(*args)
     return selector_walk_reference(*args)

@@ -191,7 +191,7 @@ class _Draft:
         proposal = propose(
             hidden=hidden, logits=logits, anchors=block[:, 0], selector=selector, temperature=sampler.temp,
             greedy=torch.tensor([cfg.is_greedy or cfg.greedy_draft], device=sampler.device),
-            u=sampler.uniform(start + 1, g, PURPOSE_DRAFT),
+            u=sampler.uniform(start + 1, g, PURPOSE_DRAFT), any_sampled=not (cfg.is_greedy or cfg.greedy_draft),
         )  # fmt: skip
         block[0, 1:] = proposal.drafts[0]
         self.num_overturned += int(proposal.overturned.sum())

@@ -3,7 +3,7 @@
 
 Per request and draft slot j = 1..g, the drafter's logits give K candidates and their unary scores
 (`top_candidates`); the selector then walks the slots in order, scoring candidate k against the
-token chosen for the previous slot (the anchor for slot 1):
+token chosen for the previous slot (the anchor for slot 1; `score_lattice` scores every pair):
   score[k] = unary[j, k] + < P[prev] * H[j], S[cand[j, k]] >        (`pair_scores`)
 with P, S the predecessor/successor codebooks [V, R] and H = hidden_projection(h) [g, R].
   greedy rows (T = 0, or greedy drafts): pick = argmax(score) (first maximal index), q one-hot;
@@ -42,8 +42,27 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 
 def pair_scores(prev_rows: torch.Tensor, proj: torch.Tensor, succ_rows: torch.Tensor) -> torch.Tensor:
-    """prev_rows P[prev]: [N, R]; proj H[j]: [N, R]; succ_rows S[cand[j]]: [N, K, R] -> [N, K]."""
-    return torch.einsum("nr,nkr->nk", prev_rows * proj, succ_rows)
+    """prev_rows P[prev]: [..., A, R]; proj H[j]: [..., R]; succ_rows S[cand[j]]: [..., K, R] -> [..., A, K]:
+    the pair term of every (predecessor a, candidate k)."""
+    return torch.matmul(prev_rows * proj[..., None, :], succ_rows.transpose(-1, -2))
+
+
+def score_lattice(
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    proj: torch.Tensor,
+    anchors: torch.Tensor,
+    pred_codebook: torch.Tensor,
+    succ_codebook: torch.Tensor,
+) -> torch.Tensor:
+    """Every score the walk can need, at once: [N, g, K, K] float32, entry (j, a, k) the score of candidate k
+    of slot j after candidate a of slot j - 1 (slot 0: after the anchor, the same for every a).
+
+    unary, candidates: [N, g, K]; proj: [N, g, R]; anchors: [N]; codebooks: [V, R]."""
+    n, k = candidates.shape[0], candidates.shape[2]
+    prev = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], dim=1)  # [N, g, K]
+    pair = pair_scores(pred_codebook[prev].float(), proj.float(), succ_codebook[candidates].float())
+    return unary.float()[:, :, None, :] + pair  # [N, g, K(a), K(k)]
 
 
 def selector_walk(
@@ -56,33 +75,45 @@ def selector_walk(
     temperature: torch.Tensor,
     u: torch.Tensor,
     greedy: torch.Tensor,
+    any_sampled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequential walk over g slots for N requests (PyTorch reference of dflash::selector_walk).
 
     unary: [N, g, K]; candidates: [N, g, K] int64; proj: [N, g, R]; anchors: [N] int64;
     pred_codebook, succ_codebook: [V, R]; temperature: [N] float32; u: [N, g] float32 in (0, 1);
-    greedy: [N] bool (argmax picks; rows with temperature <= 0 must be greedy).
+    greedy: [N] bool (argmax picks; rows with temperature <= 0 must be greedy); any_sampled: False
+    promises that every row is greedy (the caller knows it from the requests), which skips the softmax
+    and the draws without a host synchronisation.
     Returns (picks [N, g] int64 indices into the K candidates, q [N, g, K] float32: softmax(score / T)
     on sampled rows, one-hot at the pick on greedy rows). Scores are computed in float32.
+
+    A slot's uniform does not depend on the predecessor, so the pick after each of the K possible
+    predecessors is decided for all slots at once (`score_lattice`); the walk itself is then g
+    gathers, one per slot.
     """
     n, g, k = candidates.shape
-    safe_t = torch.where(greedy | (temperature <= 0), torch.ones_like(temperature), temperature).float()
-    succ = succ_codebook[candidates].float()  # [N, g, K, R]
-    prev = anchors
-    picks, qs = [], []
-    for j in range(g):
-        scores = unary[:, j].float() + pair_scores(
-            pred_codebook[prev].float(), proj[:, j].float(), succ[:, j]
-        )
-        q = torch.softmax(scores / safe_t[:, None], dim=-1)  # [N, K]
-        pick = torch.where(greedy, scores.argmax(dim=-1), sample_from_probs(q, u[:, j]))  # [N]
-        one_hot = torch.zeros_like(q).scatter_(-1, pick[:, None], 1.0)
-        qs.append(torch.where(greedy[:, None], one_hot, q))
-        picks.append(pick)
-        prev = candidates[:, j].gather(1, pick[:, None])[:, 0]
     if g == 0:
         return candidates.new_zeros(n, 0), unary.new_zeros(n, 0, k, dtype=torch.float32)
-    return torch.stack(picks, dim=1), torch.stack(qs, dim=1)
+    scores = score_lattice(unary, candidates, proj, anchors, pred_codebook, succ_codebook)  # [N, g, K, K]
+    after = scores.argmax(dim=-1)  # [N, g, K]: the pick after predecessor a (greedy rows)
+    q = None
+    if any_sampled:
+        safe_t = torch.where(greedy | (temperature <= 0), torch.ones_like(temperature), temperature).float()
+        q = torch.softmax(scores / safe_t[:, None, None, None], dim=-1)  # [N, g, K, K]
+        drawn = sample_from_probs(q.reshape(-1, k), u[:, :, None].expand(n, g, k).reshape(-1)).view(n, g, k)
+        after = torch.where(greedy[:, None, None], after, drawn)
+    prevs, picks = [], []
+    pick = torch.zeros(n, dtype=torch.int64, device=candidates.device)  # slot 0: every row is the anchor's
+    for j in range(g):
+        prevs.append(pick)
+        pick = after[:, j].gather(1, pick[:, None])[:, 0]
+        picks.append(pick)
+    picks_t, prev_t = torch.stack(picks, dim=1), torch.stack(prevs, dim=1)  # [N, g]
+    one_hot = scores.new_zeros(n, g, k).scatter_(-1, picks_t[..., None], 1.0)
+    if q is None:
+        return picks_t, one_hot
+    rows = q.gather(2, prev_t[:, :, None, None].expand(n, g, 1, k))[:, :, 0]  # [N, g, K]
+    return picks_t, torch.where(greedy[:, None, None], one_hot, rows)
 
 
 @dataclass(frozen=True)
@@ -112,6 +143,7 @@ def propose(
     temperature: torch.Tensor,
     greedy: torch.Tensor,
     u: torch.Tensor,
+    any_sampled: bool = True,
     walk: WalkFn = selector_walk,
 ) -> Proposal:
     """DFlash 2's proposal step for a batch.
@@ -119,14 +151,15 @@ def propose(
     hidden: [N, g, D] final-normed drafter states of slots 1..g; logits: [N, g, V] the drafter's logits
     of those slots (`compute_logits`: the target's head, output_multiplier, softcap); anchors: [N];
     temperature: [N]; greedy: [N] bool (T = 0 or greedy drafts); u: [N, g] the PURPOSE_DRAFT uniforms of
-    positions start + 1 .. start + g (ignored on greedy rows). `walk` is `selector_walk` or the
-    dflash::selector_walk op (same signature).
+    positions start + 1 .. start + g (ignored on greedy rows); any_sampled=False when every row is
+    greedy (skips the softmax and the draws). `walk` is `selector_walk` or the dflash::selector_walk op
+    (same signature).
     """
     unary, cand = top_candidates(logits, selector.top_k)  # [N, g, K]
     proj = selector.project(hidden)  # [N, g, R]
     picks, q = walk(
         unary, cand, proj, anchors, selector.predecessor_codebook, selector.successor_codebook,
-        temperature.float(), u.float(), greedy,
+        temperature.float(), u.float(), greedy, any_sampled,
     )  # fmt: skip
     drafts = cand.gather(-1, picks[..., None])[..., 0]  # [N, g]
     top1 = cand.gather(-1, unary.argmax(dim=-1, keepdim=True))[..., 0]  # [N, g]: the argmax token
