@@ -40,10 +40,12 @@ def grouped_dynamic_conv(
     blk, d = x.shape[-2], x.shape[-1]
     groups = d // group_size
     xg = x.unflatten(-1, (groups, group_size))  # [..., B, G, gs]
-    out = torch.zeros_like(xg)
-    for t in range(min(base.shape[0], blk)):  # taps past the block read only padding
-        shifted = xg if t == 0 else F.pad(xg[..., : blk - t, :, :], (0, 0, 0, 0, t, 0))
-        out = out + base[t].view(groups, group_size).to(x.dtype) * shifted
+    kernel = base.to(x.dtype).view(-1, groups, group_size)  # [K, G, gs]
+    out = kernel[0] * xg  # tap 0 reads the slot itself
+    out = torch.addcmul(out, coeff[..., 0, :, None], xg)
+    for t in range(1, min(base.shape[0], blk)):  # taps past the block read only padding
+        shifted = F.pad(xg[..., : blk - t, :, :], (0, 0, 0, 0, t, 0))  # slot i reads i - t, zeros before 0
+        out = torch.addcmul(out, kernel[t], shifted)
         out = torch.addcmul(out, coeff[..., t, :, None], shifted)
     return out.flatten(-2)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn import functional as F
 
 from dflash_trt.spec.sampling import sample_from_probs
 
@@ -61,7 +62,12 @@ def score_lattice(
     unary, candidates: [N, g, K]; proj: [N, g, R]; anchors: [N]; codebooks: [V, R]."""
     n, k = candidates.shape[0], candidates.shape[2]
     prev = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], dim=1)  # [N, g, K]
-    pair = pair_scores(pred_codebook[prev].float(), proj.float(), succ_codebook[candidates].float())
+    # F.embedding (index_select) gathers codebook rows ~10x faster on CPU than advanced indexing
+    rows_prev, rows_cand = (
+        F.embedding(prev, pred_codebook),
+        F.embedding(candidates, succ_codebook),
+    )  # [N, g, K, R]
+    pair = pair_scores(rows_prev.float(), proj.float(), rows_cand.float())
     return unary.float()[:, :, None, :] + pair  # [N, g, K(a), K(k)]
 
 

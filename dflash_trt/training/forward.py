@@ -251,11 +251,12 @@ def selector_terms(
                        labels[:, None], cand)  # fmt: skip
     unary = logits.gather(-1, cand)  # [M, K] (the injected label keeps its own logit)
     target = (cand == labels[:, None]).to(torch.int64).argmax(dim=-1)  # [M]
-    scores = unary.float() + pair_scores(
-        sel.predecessor_codebook[prev].float(),
-        sel.project(hidden).float(),
-        sel.successor_codebook[cand].float(),
-    )  # [M, K]
+    pair = pair_scores(
+        F.embedding(prev, sel.predecessor_codebook)[:, None].float(),  # [M, 1, R]: one predecessor per row
+        sel.project(hidden).float(),  # [M, R]
+        F.embedding(cand, sel.successor_codebook).float(),  # [M, K, R]
+    )  # [M, 1, K]
+    scores = unary.float() + pair[:, 0]  # [M, K]
     ce = F.cross_entropy(scores, target, reduction="none")
     pick = scores.detach().argmax(dim=-1)
     return ce, (pick == target) & ~missing, pick != 0
