@@ -277,8 +277,11 @@ def _watch(server: TritonServer, front: FrontThread | None, stop: threading.Even
             )
         cause = server.engine_death()
         if cause is not None:
-            # The model has already ended every request with an error: stop Triton in order (a
-            # zero-budget drain) so that those error responses reach their clients.
+            # The model has already ended every request with an error. Stop the front (it closes its
+            # idle Triton streams), then Triton in order (a zero-budget drain), so that those error
+            # responses reach their clients and nothing holds Triton open.
+            if front is not None:
+                front.stop()
             server.drain(0.0)
             raise click.ClickException(
                 f"the engine died ({cause}); every request in flight got an error and new ones were refused, "
