@@ -39,9 +39,8 @@ class GenerationHandle:
         self.streaming = streaming
         self.request_id: int = -1
         self._cond = threading.Condition()
-        self._items: list[
-            RequestOutput
-        ] = []  # what iteration yields: every output when streaming, else the final
+        # what iteration yields: every output when streaming, else only the final one
+        self._items: list[RequestOutput] = []
         self._last: RequestOutput | None = None  # the newest output, streamed or not (what fail() extends)
         self._done = False
         self._loop: asyncio.AbstractEventLoop | None = None

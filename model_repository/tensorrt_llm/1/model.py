@@ -616,6 +616,7 @@ class TritonPythonModel:
                     handle.abort()
                 elif parsed.streaming:
                     sender.send(self._response(output, parsed), flags=0)
+            raise RuntimeError("the engine ended the request without a final output")  # never a silent end
         except Exception as exc:  # the engine stopped (died, or was shut down) or failed the request
             self._send_failure(sender, request.request_id(), exc, tokens=seen[1])
         finally:
