@@ -86,10 +86,12 @@ def serve(
 
     SIGTERM (or Ctrl-C) drains: readiness turns false and new requests are refused at once, in-flight
     requests run on for up to --drain-timeout seconds and whatever is left then ends with an explicit
-    error; the model is finalized and serve exits 0. A second signal kills the server at once. If a
-    Python-backend stub dies (say `kill -9`), serve stops the server and exits 1 within a second
-    (within 10 s when the stub is wedged and its heartbeat stops), so that a supervisor
-    (Kubernetes, systemd) restarts it.
+    error; the model is finalized and serve exits 0. A second signal kills the server at once. If the
+    engine dies (its thread raises, or makes no progress for the LLM's wedge_timeout_s), every request
+    in flight ends with an explicit error naming the cause, new ones are refused, and serve stops the
+    server and exits 1. So it does within a second when a Python-backend stub dies (say `kill -9`), and
+    within 10 s when a stub is wedged and its heartbeat stops: a supervisor (Kubernetes, systemd) then
+    restarts it.
 
     Uses the `tritonserver` on PATH (NGC images) or else the binary inside the nvidia-pytriton
     wheel, so it runs for real on a CPU machine with a `torch` (embedded engine) bundle.
@@ -258,8 +260,8 @@ def _check_ports(
 
 
 def _watch(server: TritonServer, front: FrontThread | None, stop: threading.Event) -> None:
-    """Until `stop` is set: raise ClickException (exit 1) when tritonserver exits, a Python stub dies
-    or wedges (its heartbeat stops), or the OpenAI front stops."""
+    """Until `stop` is set: raise ClickException (exit 1) when tritonserver exits, the model's engine
+    dies, a Python stub dies or wedges (its heartbeat stops), or the OpenAI front stops."""
     while not stop.wait(WATCH_PERIOD_S):
         if server.proc is not None and server.proc.poll() is not None:
             raise click.ClickException(f"tritonserver exited unexpectedly with code {server.proc.returncode}")
@@ -272,6 +274,18 @@ def _watch(server: TritonServer, front: FrontThread | None, stop: threading.Even
             raise click.ClickException(
                 f"the Python-backend stub (pid {pid}, {model}) died; tritonserver would keep reporting "
                 "ready while failing every request, so it was stopped; restart serve"
+            )
+        cause = server.engine_death()
+        if cause is not None:
+            # The model has already ended every request with an error. Stop the front (it closes its
+            # idle Triton streams), then Triton in order (a zero-budget drain), so that those error
+            # responses reach their clients and nothing holds Triton open.
+            if front is not None:
+                front.stop()
+            server.drain(0.0)
+            raise click.ClickException(
+                f"the engine died ({cause}); every request in flight got an error and new ones were refused, "
+                "tritonserver was stopped; restart serve"
             )
         age = server.heartbeat_age()
         if age is not None and age > HEARTBEAT_TIMEOUT_S:

@@ -32,6 +32,9 @@ STATS_OUTPUTS = tuple(DFLASH_STATS.values())
 STREAMS_PER_CHANNEL = 64
 # The model answers an internal failure as "<ExceptionType>: <message>"; a bad request plainly.
 _INTERNAL = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+# ...and UNAVAILABLE (a dead engine, draining) with this prefix: a gRPC stream error carries no code
+# (UNAVAILABLE_PREFIX in triton/templates/model.py).
+UNAVAILABLE_PREFIX = "unavailable: "
 
 
 @dataclass
@@ -59,7 +62,10 @@ def _first_values(response: Any) -> dict[str, Any]:
 
 def model_error(message: str, *, prompt_param: str = "prompt") -> OpenAIError:
     """A request the model refused (before any output): 400 naming the field when the message does
-    (`prompt_param`: what carries the prompt in the OpenAI request); an internal failure: 500."""
+    (`prompt_param`: what carries the prompt in the OpenAI request); the model unavailable (its engine
+    died, or it drains): 503; an internal failure: 500."""
+    if message.startswith(UNAVAILABLE_PREFIX):
+        return OpenAIError(message, status=503, type="server_error")
     if _INTERNAL.match(message):
         return OpenAIError(f"the model failed: {message}", status=500, type="server_error")
     param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
@@ -214,7 +220,7 @@ class Upstream:
                     if error is not None:
                         finished = True  # Triton's error response is the request's last
                         msg = str(getattr(error, "message", lambda: None)() or error)
-                        if produced:
+                        if produced and not msg.startswith(UNAVAILABLE_PREFIX):
                             raise OpenAIError(
                                 f"the model failed mid-stream: {msg}", status=500, type="server_error"
                             )

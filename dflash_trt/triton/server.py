@@ -14,8 +14,11 @@ The server runs in its own process group, so stopping it takes its Python stub p
 Supervision (what `dflash-trt serve` builds on):
 - `dead_stubs()` names Python-backend stubs that died (say `kill -9`): Triton itself keeps reporting
   ready and answers every request 400 "Stub process ... is not healthy", so the supervisor must act;
-- `heartbeat_age()`: the model touches a heartbeat file from its event loop every second; a stale
-  one means a wedged stub (stopped, deadlocked), which Triton does not notice either;
+- `heartbeat_age()`: the model touches a heartbeat file from its event loop every second while its
+  engine serves; a stale one means a wedged stub (stopped, deadlocked), which Triton does not notice
+  either;
+- `engine_death()`: the cause the model wrote to `engine-dead` once its engine died (the engine
+  thread raised or wedged); Triton keeps reporting ready, and every request gets UNAVAILABLE;
 - `drain(budget)` ends a server gracefully: it writes `drain` into the control directory (the model
   then refuses new requests with 503 and ends what is left at the budget with an explicit error),
   unloads the models (readiness turns false at once; Triton finalizes a model when its last request
@@ -165,7 +168,7 @@ class TritonServer:
         env = {**os.environ, **self.install.env, **self.extra_env}
         if self.control_dir is not None:
             Path(self.control_dir).mkdir(parents=True, exist_ok=True)
-            for name in ("drain", "drained", "finalized", "heartbeat"):
+            for name in ("drain", "drained", "finalized", "heartbeat", "engine-dead"):
                 (Path(self.control_dir) / name).unlink(missing_ok=True)
             env["DFLASH_TRT_CONTROL_DIR"] = str(self.control_dir)
         self.proc = subprocess.Popen(
@@ -254,6 +257,15 @@ class TritonServer:
             return None
         try:
             return time.time() - (Path(self.control_dir) / "heartbeat").stat().st_mtime
+        except OSError:
+            return None
+
+    def engine_death(self) -> str | None:
+        """Why the model's engine died (what it wrote to `engine-dead`), or None while it serves."""
+        if self.control_dir is None:
+            return None
+        try:
+            return (Path(self.control_dir) / "engine-dead").read_text().strip() or "unknown cause"
         except OSError:
             return None
 

@@ -52,25 +52,33 @@ def start_server(repo: Path, *, bundle: Path | None = None, env: dict[str, str] 
     return server
 
 
-def launch_serve(bundle: Path, *extra: str, timeout: float = 120):
-    """`dflash-trt serve` as users run it, on free ports; returns (process, {"http", "grpc", "metrics"} ports)
-    once /v2/health/ready answers 200. stderr is piped (read it with communicate())."""
+def launch_serve(
+    bundle: Path, *extra: str, timeout: float = 120, openai: bool = False, env: dict[str, str] | None = None
+):
+    """`dflash-trt serve` as users run it, on free ports; returns (process, {"http", "grpc", "metrics"
+    [, "openai"]} ports) once /v2/health/ready (and the OpenAI front's /health) answer 200. stderr is
+    piped (read it with communicate()). `env` is added to this process's environment."""
     import time
 
     import httpx
 
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, oai = free_ports(4)
+    ports = {"http": http, "grpc": grpc, "metrics": metrics, **({"openai": oai} if openai else {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(bundle), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--quiet", *extra],
-        stderr=subprocess.PIPE, text=True,
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--quiet", *extra,
+         *(["--openai-port", str(oai)] if openai else [])],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
     )  # fmt: skip
+    urls = [f"http://127.0.0.1:{http}/v2/health/ready"] + (
+        [f"http://127.0.0.1:{oai}/health"] if openai else []
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         try:
-            if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2).status_code == 200:
-                return proc, {"http": http, "grpc": grpc, "metrics": metrics}
+            if all(httpx.get(url, timeout=2).status_code == 200 for url in urls):
+                return proc, ports
         except httpx.HTTPError:
             pass
         time.sleep(0.3)

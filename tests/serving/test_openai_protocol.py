@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_trt.openai_front import protocol as P
-from dflash_trt.openai_front.upstream import model_error
+from dflash_trt.openai_front.upstream import UNAVAILABLE_PREFIX, model_error
+from dflash_trt.triton.repository import model_py_source
 
 SERVED = ["tiny"]
 
@@ -80,6 +81,10 @@ def test_model_errors_are_classified() -> None:
     assert (e.status, e.param) == (400, "max_tokens")
     e = model_error("RuntimeError: CUDA error: an illegal memory access was encountered")
     assert (e.status, e.type) == (500, "server_error")
+    # the model's UNAVAILABLE errors (a dead engine, draining) carry a prefix: a stream error has no code
+    e = model_error("unavailable: the engine is dead (engine failure: RuntimeError: boom); retry")
+    assert (e.status, e.type, e.param) == (503, "server_error", None)
+    assert f'UNAVAILABLE_PREFIX = "{UNAVAILABLE_PREFIX}"' in model_py_source()  # one wire convention
 
 
 def test_response_and_chunk_shapes() -> None:
