@@ -98,7 +98,7 @@ test_image() {
   log "inside $IMAGE: user, compilers, tritonserver"
   run sh -c 'test "$(id -u):$(id -g)" = 1000:1000 || { echo "runs as $(id -u), not 1000" >&2; exit 1; }'
   run sh -c 'for c in cc gcc g++ c++ clang ld as make; do if command -v $c; then echo "compiler $c in the image" >&2; exit 1; fi; done; true'
-  run sh -c 'command -v tritonserver && tritonserver --help >/dev/null'
+  run sh -c 'command -v tritonserver && tritonserver --help 2>&1 | grep -q "^Usage: tritonserver"'
   log "inside $IMAGE: make demo's serving part (python -m dflash_trt.demo_serve)"
   run python -m dflash_trt.demo_serve
   log "inside $IMAGE: image_smoke.py (serve with an API key, probes, the OpenAI front, drain)"
@@ -111,7 +111,7 @@ case "$cmd" in
   base) tools; base ;;
   wheelhouse) wheelhouse ;;
   venv-test) venv_test ;;
-  build) tools; base; build ;;
+  build) tools; base; [ -d "$OUT/context/wheelhouse" ] || wheelhouse; build ;;
   test) test_image ;;
   all) tools; base; wheelhouse; venv_test; build; test_image; log "image $IMAGE built and tested" ;;
   *) echo "error: unknown step $cmd; fix: one of all tools base wheelhouse venv-test build test" >&2; exit 2 ;;
