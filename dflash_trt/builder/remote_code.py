@@ -53,12 +53,12 @@ def _needs(role: str, ref: str, config: dict[str, Any], native: frozenset[str] |
     model_type = config.get("model_type")
     if native is not None and model_type in native:
         return None
-    known = "transformers is not installed, so it could not be checked whether" if native is None else "and"
     classes = ", ".join(f"{k} -> {v}" for k, v in sorted(mapped.items()))
-    return (
-        f"{role} {ref}: config.json maps {classes} to the repository's code {known} "
-        f"model_type={model_type!r} is one transformers ships"
-    )
+    if native is None:
+        tail = f"transformers is not installed to tell whether model_type={model_type!r} is one it ships"
+    else:
+        tail = f"model_type={model_type!r} is not one transformers ships"
+    return f"{role} {ref}: config.json maps {classes} to the repository's code and {tail}"
 
 
 def decide_remote_code(pair: ResolvedPair, *, refuse: bool) -> RemoteCode:

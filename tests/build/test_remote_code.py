@@ -43,7 +43,10 @@ def test_a_model_type_transformers_lacks_needs_its_code_and_the_flag_refuses_it(
     assert plan["llm_api"]["trust_remote_code"] is True
     (note,) = [n for n in plan["notes"] if "trust_remote_code" in n]
     assert f"target {tdir.resolve()}: config.json maps AutoConfig -> configuration_acme.AcmeConfig" in note
-    assert "model_type='acme_lm'" in note and "--no-remote-code refuses this" in note
+    assert (
+        "and model_type='acme_lm' is not one transformers ships" in note
+        and "--no-remote-code refuses this" in note
+    )
     assert "AutoModelForCausalLM" not in note  # TensorRT-LLM builds the model with its own classes
 
     code, out, err = run(["build", *args, "--no-remote-code", "--dry-run"], capsys)
@@ -59,3 +62,16 @@ def test_an_auto_map_on_a_native_model_type_is_not_trusted(tmp_path, capsys) -> 
     assert "trust_remote_code" not in plan["llm_api"] and plan["inputs"]["no_remote_code"] is True
     (note,) = [n for n in plan["notes"] if "trust_remote_code" in n]
     assert f"target {tdir.resolve()} (model_type='qwen3')" in note
+
+
+def test_without_transformers_a_code_mapping_is_trusted_and_said_so() -> None:
+    from dflash_trt.builder.remote_code import _needs
+
+    cfg = {"model_type": "qwen3", "auto_map": {"AutoConfig": "c.C", "AutoModel": "m.M"}}
+    reason = _needs("target", "org/repo", cfg, None)
+    assert reason == ("target org/repo: config.json maps AutoConfig -> c.C to the repository's code and "
+                      "transformers is not installed to tell whether model_type='qwen3' is one it ships")  # fmt: skip
+    assert _needs("target", "org/repo", cfg, frozenset({"qwen3"})) is None
+    assert (
+        _needs("drafter", "org/d", {"model_type": "x", "auto_map": {"AutoModel": "m.M"}}, frozenset()) is None
+    )
