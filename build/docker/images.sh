@@ -35,8 +35,7 @@ tools() {
   fi
   log "installing buildah and mmdebstrap (Debian packages)"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends buildah mmdebstrap \
-    uidmap fuse-overlayfs >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap >/dev/null
 }
 
 base() {
@@ -45,7 +44,7 @@ base() {
     return
   fi
   mkdir -p "$OUT/base"
-  log "mmdebstrap: Debian bookworm (minbase + python3, libpython3.11, bash) -> $OUT/base/rootfs.tar"
+  log "mmdebstrap: Debian bookworm (minbase, python3, python3-venv, libpython3.11) -> $OUT/base/rootfs.tar"
   mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,libpython3.11,ca-certificates \
     bookworm "$OUT/base/rootfs.tmp.tar" http://deb.debian.org/debian
   mv "$OUT/base/rootfs.tmp.tar" "$OUT/base/rootfs.tar"
@@ -90,9 +89,10 @@ build() {
 }
 
 test_image() {
-  local ctr
-  ctr=$("${BUILDAH[@]}" from --pull-never "$IMAGE")
-  trap '"${BUILDAH[@]}" rm "$ctr" >/dev/null' RETURN
+  CTR=$("${BUILDAH[@]}" from --pull-never "$IMAGE")
+  # EXIT, not RETURN: under `set -e` a failing step leaves the script without returning.
+  trap '"${BUILDAH[@]}" rm "$CTR" >/dev/null' EXIT
+  local ctr=$CTR
   "${BUILDAH[@]}" copy --chown 1000:1000 "$ctr" build/docker/image_smoke.py /tmp/image_smoke.py >/dev/null
   run() { "${BUILDAH[@]}" run --network host "$ctr" -- "$@"; }
   log "inside $IMAGE: user, compilers, tritonserver"
