@@ -42,6 +42,17 @@ demo: $(STAMP)
 tiny-pair: $(STAMP)
 	$(PY) build/recipes/tiny_pair.py
 
+# The torch-backend serving image (build/docker/README.md), built with Debian's buildah from a base
+# made by mmdebstrap, then tested inside: make demo's serving part and an API-key smoke test. About
+# 20 min on 2 cores, so it is its own target (CI runs it after `make test`); needs root to install
+# buildah and mmdebstrap, and the network for Debian packages and PyPI wheels.
+.PHONY: image image-test
+image: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash build/docker/images.sh build
+
+image-test: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash build/docker/images.sh all
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests bench build
 	$(VENV)/bin/ruff format --check dflash_trt tests bench build

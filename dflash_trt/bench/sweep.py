@@ -49,6 +49,7 @@ from dflash_trt.bench.metrics import (
 )
 from dflash_trt.bench.workload import PromptSource, WorkloadSpec, load_tokenizer
 from dflash_trt.errors import UsageError
+from dflash_trt.utils.api_key import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -533,11 +534,17 @@ PointCallback = Callable[[dict[str, Any]], None]
 
 class Sweep:
     def __init__(
-        self, cfg: SweepConfig, *, progress: bool = False, on_point: PointCallback | None = None
+        self,
+        cfg: SweepConfig,
+        *,
+        progress: bool = False,
+        on_point: PointCallback | None = None,
+        api_key: ApiKey | None = None,
     ) -> None:
         self.cfg = cfg
         self.progress = progress
         self.on_point = on_point
+        self.api_key = api_key  # sent, never recorded: not part of SweepConfig or its outputs
 
     def run(self, *, overwrite: bool = False) -> dict[str, Any]:
         cfg = self.cfg
@@ -590,6 +597,7 @@ class Sweep:
             cfg.sampling(),
             request_timeout_s=cfg.request_timeout_s,
             max_streams=streams,
+            api_key=self.api_key,
         )
         async with client:
             info = await client.probe()
@@ -759,9 +767,10 @@ def run_sweep(
     overwrite: bool = False,
     progress: bool = False,
     on_point: PointCallback | None = None,
+    api_key: ApiKey | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one sweep; returns the summary dict (also in OUT/summary.json)."""
-    return Sweep(cfg, progress=progress, on_point=on_point).run(overwrite=overwrite)
+    return Sweep(cfg, progress=progress, on_point=on_point, api_key=api_key).run(overwrite=overwrite)
 
 
 def load_summary(run_dir: str | Path) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class BuildRequest:
     calib_samples: int = 64
     offline: bool = False
     device: str | None = None  # torch backend: where the embedded engine runs (auto/cpu/cuda)
+    no_remote_code: bool = False  # refuse a plan that needs trust_remote_code (builder/remote_code.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

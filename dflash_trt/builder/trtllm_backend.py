@@ -16,6 +16,7 @@ from typing import Any
 from dflash_trt.builder.gpus import GpuProfile
 from dflash_trt.builder.llm_api import validate_llm_api
 from dflash_trt.builder.plan import CHECKPOINTS, MODEL_NAME, BuildPlan, BuildRequest, bundle_name
+from dflash_trt.builder.remote_code import decide_remote_code
 from dflash_trt.builder.shapes import (
     bytes_per_param,
     common_sections,
@@ -238,12 +239,13 @@ def plan_trtllm(
     target_ref = f"{CHECKPOINTS}/target-{fmt}" if quantized else pair.target.ref
     assert pair.drafter is not None
     drafter_ref = f"{CHECKPOINTS}/drafter-fp8" if req.quantize_drafter else pair.drafter.ref
+    remote = decide_remote_code(pair, refuse=req.no_remote_code)
     target, drafter, speculative = common_sections(
         req, pair, dcfg, block, target_ref=target_ref, drafter_ref=drafter_ref
     )
     llm_api = _llm_api_config(
         req, profile, dcfg, block, family=family, moe=is_moe(cfg), tp=tp, kv_dtype=kv_dtype, limits=limits,
-        target_ref=target_ref, drafter_ref=drafter_ref,
+        target_ref=target_ref, drafter_ref=drafter_ref, trust_remote_code=remote.trust,
     )  # fmt: skip
     validation = {"llm_api": validate_llm_api(llm_api), "memory": memory}
     validation["pair"] = {"ok": True, "block_size": block, "trained_block_size": dcfg.block_size}
@@ -279,7 +281,7 @@ def plan_trtllm(
             "readme": "BUNDLE.md",
         },
         copies={},
-        notes=_notes(req, source),
+        notes=[*_notes(req, source), remote.note],
     )
 
 
@@ -296,6 +298,7 @@ def _llm_api_config(
     limits: dict[str, int],
     target_ref: str,
     drafter_ref: str,
+    trust_remote_code: bool,
 ) -> dict[str, Any]:
     """TensorRT-LLM's LLM-API arguments (PyTorch backend) with the DFlash speculative config."""
     spec: dict[str, Any] = {
@@ -318,8 +321,9 @@ def _llm_api_config(
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": limits["max_batch_size"]},
         "enable_attention_dp": False,
         "speculative_config": spec,
-        "trust_remote_code": True,
     }
+    if trust_remote_code:  # only when a repository needs it (builder/remote_code.py); default False
+        llm_api["trust_remote_code"] = True
     if moe:
         llm_api["moe_expert_parallel_size"] = req.ep
     if family == "gpt_oss" and profile.gpt_oss_moe_backend:

@@ -18,6 +18,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from dflash_trt.cli._api_key import api_key_from_options, api_key_options
 from dflash_trt.errors import UsageError
 
 # name -> "module:attribute"
@@ -142,7 +143,10 @@ def _key_values(values: Any, flag: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------- sweep
 # Options that only steer the command itself (not valid in a YAML spec).
-_COMMAND_ONLY = frozenset({"spec", "only", "dry_run", "as_json", "progress", "overwrite"})
+# Not sweep settings: never read from a spec file nor written to a run (the API key above all).
+_COMMAND_ONLY = frozenset(
+    {"spec", "only", "dry_run", "as_json", "progress", "overwrite", "api_key", "api_key_file"}
+)
 # option name -> SweepConfig field where they differ
 _FIELD = {
     "duration": "duration_s",
@@ -299,6 +303,7 @@ _FIELD = {
     default=None,
     help="Progress bars on stderr [default: when stderr is a terminal].",
 )
+@api_key_options(role="send with every request")
 @click.option("--dry-run", is_flag=True, help="Print the resolved runs and points as JSON; send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as one JSON object on stdout.")
 @click.pass_context
@@ -324,6 +329,7 @@ def sweep(ctx: click.Context, **kwargs: Any) -> None:
     configs = [SweepConfig(**r) for r in runs]
     for cfg in configs:
         cfg.validate()
+    key = api_key_from_options(kwargs["api_key"], kwargs["api_key_file"])
     if kwargs["dry_run"]:
         plan = [
             {
@@ -358,7 +364,9 @@ def sweep(ctx: click.Context, **kwargs: Any) -> None:
                 click.echo(_point_line(name, p))
 
         try:
-            summaries.append(run_sweep(cfg, overwrite=kwargs["overwrite"], progress=progress, on_point=show))
+            summaries.append(
+                run_sweep(cfg, overwrite=kwargs["overwrite"], progress=progress, on_point=show, api_key=key)
+            )
         except KeyboardInterrupt:
             done = _count_points(cfg.out)
             click.echo(

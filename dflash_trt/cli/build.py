@@ -97,6 +97,13 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     help="Never contact the Hub (also HF_HUB_OFFLINE=1): configs come from $DFLASH_TRT_CONFIG_DIR, the "
     "Hugging Face cache, or the copies shipped with dflash-trt.",
 )
+@click.option(
+    "--no-remote-code",
+    is_flag=True,
+    help="Refuse checkpoints whose config needs their repository's own Python code (TensorRT-LLM's "
+    "trust_remote_code). Without it, trust_remote_code is set only when a config needs it; the plan's "
+    "notes say which and why.",
+)
 def build(**kw) -> None:
     """Build a deployment bundle: validated TensorRT-LLM DFlash config, checkpoints, Triton
     repository, Helm values and a benchmark plan.

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dflash_trt.cli._api_key import api_key_from_options, api_key_options
+
 if TYPE_CHECKING:
     from dflash_trt.openai_front.app import FrontThread
     from dflash_trt.triton.server import TritonServer
@@ -66,6 +68,7 @@ HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is
     help="With --openai-port: front an already running Triton's gRPC endpoint instead of starting "
     "tritonserver (the Helm chart's sidecar).",
 )
+@api_key_options(role="require on inference and metadata (HTTP, gRPC, OpenAI /v1)")
 def serve(
     bundle: Path,
     host: str,
@@ -81,6 +84,8 @@ def serve(
     openai_port: int | None,
     openai_model_name: str | None,
     triton_url: str | None,
+    api_key: str | None,
+    api_key_file: Path | None,
 ) -> None:
     """Start tritonserver on the bundle's model repository and supervise it until Ctrl-C / SIGTERM.
 
@@ -99,10 +104,15 @@ def serve(
     With --openai-port the OpenAI-compatible front runs in this process next to tritonserver
     (docs/serving.md, "OpenAI-compatible endpoints").
 
+    With an API key (--api-key-file, $DFLASH_TRT_API_KEY or --api-key) clients must send
+    `Authorization: Bearer KEY` (Triton gRPC: `triton-grpc-protocol-authorization: Bearer KEY`);
+    health, readiness and metrics stay open (docs/serving.md, "API keys").
+
     \b
     Example:
       dflash-trt build --target tiny --output /tmp/tiny && dflash-trt serve --bundle /tmp/tiny
       dflash-trt serve --bundle /tmp/tiny --openai-port 9000
+      dflash-trt serve --bundle /tmp/tiny --host 0.0.0.0 --api-key-file /etc/dflash-trt/api-key
     """
     import tempfile
 
@@ -111,6 +121,8 @@ def serve(
     from dflash_trt.triton.server import TritonServer
 
     _check_ports(http_port, grpc_port, metrics_port, openai_port, openai_model_name, triton_url)
+    key = api_key_from_options(api_key, api_key_file)
+    _announce_key(key, host)
     manifest = load_manifest(bundle)
     if compile_rounds and manifest["backend"] != "torch":
         raise UsageError(
@@ -118,7 +130,7 @@ def serve(
             f"{manifest['backend']!r}",
             hint="rebuild with --backend torch, or drop --compile (TensorRT-LLM compiles its own way)",
         )
-    front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url)
+    front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url, key)
     if triton_url is not None:
         assert front is not None
         _front_only(front)
@@ -140,6 +152,7 @@ def serve(
         exit_timeout=EXIT_TIMEOUT_S,
         control_dir=Path(tmp.name) / "control",
         models=(manifest["serving"]["model_name"],),
+        api_key=key,
     )
     stop = threading.Event()
 
@@ -189,7 +202,20 @@ def serve(
     sys.exit(0 if (outcome == "finalized" and code == 0) or outcome == "drained" else 1)
 
 
-def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, triton_url):
+def _announce_key(key, host: str) -> None:
+    """Say on stderr what the key protects (never the key), or warn about an open server."""
+    if key is not None:
+        click.echo(f"API key from {key.source}: required on inference and metadata (HTTP, gRPC, OpenAI /v1); "
+                   "health, readiness and metrics stay open", err=True)  # fmt: skip
+        if key.source == "--api-key":
+            click.echo("note: --api-key shows in process lists; prefer --api-key-file or $DFLASH_TRT_API_KEY",
+                       err=True)  # fmt: skip
+    elif not (host.startswith("127.") or host in ("localhost", "::1")):
+        click.echo(f"warning: --host={host} without an API key: anyone who reaches these ports can run the "
+                   "model; pass --api-key-file (docs/serving.md, API keys)", err=True)  # fmt: skip
+
+
+def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, triton_url, key):
     """The OpenAI front's thread (not started), or None without --openai-port."""
     if openai_port is None:
         return None
@@ -208,6 +234,7 @@ def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, tr
         host=host,
         port=openai_port,
         max_seq_len=(manifest.get("limits") or {}).get("max_seq_len"),
+        api_key=key,
     )
     return FrontThread(cfg, chat)
 

@@ -40,7 +40,7 @@ VALUES_FILE = "helm-values.yaml"
 CHART_NAME = "dflash-trt"
 
 DEFAULT_TRTLLM_IMAGE = ("nvcr.io/nvidia/tritonserver", "26.10-trtllm-python-py3")
-# A placeholder: the CPU image is built from this repository and pushed by the operator.
+# The serving image of build/docker/Dockerfile.serve-torch (`make image`); push it to your registry.
 DEFAULT_TORCH_IMAGE = ("ghcr.io/dflash-trt/dflash-trt", f"{__version__}-cpu")
 DEFAULT_MODEL_NAME = "tensorrt_llm"
 DEFAULT_SSH_SECRET = "dflash-trt-ssh"

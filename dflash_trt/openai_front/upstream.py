@@ -25,11 +25,14 @@ import tritonclient.grpc.aio as grpcaio
 
 from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
 from dflash_trt.triton.kserve import decode_first_raw
+from dflash_trt.utils.api_key import ApiKey
 
 # Speculative statistics read from the final response.
 STATS_OUTPUTS = tuple(DFLASH_STATS.values())
 # HTTP/2 servers commonly cap concurrent streams per connection at 100; stay below.
 STREAMS_PER_CHANNEL = 64
+# How Triton refuses a request without the key of a restricted protocol (gRPC status UNAVAILABLE).
+RESTRICTED = "This protocol is restricted"
 # The model answers an internal failure as "<ExceptionType>: <message>"; a bad request plainly.
 _INTERNAL = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
 # ...and UNAVAILABLE (a dead engine, draining) with this prefix: a gRPC stream error carries no code
@@ -80,10 +83,10 @@ class _Stream:
     flight; a request abandoned mid-way cancels its stream, which cancels the request in Triton.
     """
 
-    def __init__(self, client: Any, slot: int) -> None:
+    def __init__(self, client: Any, slot: int, headers: dict[str, str] | None) -> None:
         self.slot = slot
         self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self.call = client.stream_infer(self._requests())
+        self.call = client.stream_infer(self._requests(), headers=headers)
 
     async def _requests(self) -> AsyncIterator[dict[str, Any]]:
         while True:
@@ -104,9 +107,11 @@ class _Stream:
 
 
 class Upstream:
-    def __init__(self, url: str, model_name: str) -> None:
+    def __init__(self, url: str, model_name: str, *, api_key: ApiKey | None = None) -> None:
         self.url = url
         self.model_name = model_name
+        # gRPC metadata for Triton's restricted protocols (health needs none)
+        self._headers = dict(api_key.grpc_metadata()) if api_key is not None else None
         self._clients: list[Any] = []
         self._streams: list[int] = []  # open streams (busy + idle) per client
         self._idle: list[_Stream] = []
@@ -144,7 +149,7 @@ class Upstream:
             return self._idle.pop()
         i = self._client()
         self._streams[i] += 1
-        return _Stream(self._clients[i], i)
+        return _Stream(self._clients[i], i, self._headers)
 
     def _release(self, stream: _Stream, *, reusable: bool) -> None:
         if reusable and stream.slot < len(self._clients):
@@ -250,6 +255,13 @@ class Upstream:
                 if isinstance(exc, StopAsyncIteration):
                     raise OpenAIError(
                         "the Triton stream ended before the final response", status=502, type="server_error"
+                    ) from None
+                if RESTRICTED in (exc.details() or ""):  # Triton 2.51 answers a missing key UNAVAILABLE
+                    raise OpenAIError(
+                        f"the Triton server at {self.url} refused the front's API key ({exc.details()}); fix: "
+                        "start the front with the key Triton was started with",
+                        status=502,
+                        type="server_error",
                     ) from None
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise OpenAIError(

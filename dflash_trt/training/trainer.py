@@ -571,8 +571,31 @@ def _saved_state(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
         )
     if not cfg.resume:
         return None
-    saved: dict[str, Any] = torch.load(state_path, map_location="cpu", weights_only=False)
+    saved = _load_state(state_path)
     _check_resume(saved["config"], cfg.to_json())
+    return saved
+
+
+STATE_KEYS = frozenset({"step", "drafter", "optimizer", "config", "samples_digest"})
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    """The resume state, read with torch's weights-only unpickler: tensors, numbers, strings and
+    containers only, so a planted state file cannot run code (what _save_state writes is all such)."""
+    import pickle
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"--resume: {path} is not a training state that loads without running code ({first[:200]})",
+            hint="resume only runs this tool wrote; start a fresh run with another --out",
+        ) from None
+    if not isinstance(saved, dict) or not saved.keys() >= STATE_KEYS:
+        have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise UsageError(f"--resume: {path} is not a train-drafter state (it holds {have})",
+                         hint="resume only runs this tool wrote; start a fresh run with another --out")  # fmt: skip
     return saved
 
 

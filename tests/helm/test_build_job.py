@@ -117,7 +117,6 @@ BUILD_FAILS = [
     ),
     ({"buildJob": {"args": ["--target", "x", "-o", "/m"]}}, r"buildJob.args has -o:"),
     ({"buildJob": {"args": ["--target", "x", "--dry-run"]}}, r"buildJob.args has --dry-run: .*wait forever"),
-    ({"buildJob": {"image": {"repository": ""}}}, r"buildJob.image.repository is empty, .*has no dflash-trt"),
     (
         {"modelInit": {"enabled": True, "mode": "download", "download": {"repos": [{"repo": "a/b"}]}}},
         r"buildJob.enabled=true with modelInit.enabled=true: two writers",
@@ -133,6 +132,21 @@ BUILD_FAILS = [
 def test_bad_build_values_are_named(patch: dict[str, Any], pattern: str) -> None:
     line = _rejected(deploy.merge_values(load_value_set(BUILD), patch))
     assert re.search(pattern, line), line
+
+
+def test_without_a_build_image_the_job_runs_one_with_dflash_trt() -> None:
+    """The NGC server image has no dflash-trt: an unset buildJob.image means the dflash-trt build
+    image (build/docker/Dockerfile.build-trtllm) for trtllm, the server image for torch."""
+    values = deploy.merge_values(load_value_set(BUILD), {"buildJob": {"image": {"repository": ""}}})
+    job = _one(_render(values), "Job")
+    assert (
+        job["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "ghcr.io/dflash-trt/dflash-trt-build:0.1.0-trtllm"
+    )
+    torch = deploy.merge_values(values, {"backend": "torch", "gpu": {"count": 0},
+                                         "image": {"repository": "registry.example.com/cpu", "tag": "1"}})  # fmt: skip
+    job = _one(_render(torch), "Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/cpu:1"
 
 
 def test_schema_rejects_a_bad_output_path() -> None:

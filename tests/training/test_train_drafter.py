@@ -122,14 +122,14 @@ def test_cli_trains_exports_and_resumes_exactly(toy, tmp_path, capsys):
     )  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
         train_drafter(cfg, progress=False, report=interrupt)
-    assert torch.load(half / "train_state.pt", weights_only=False)["step"] == 3
+    assert torch.load(half / "train_state.pt", weights_only=True)["step"] == 3
     code, _, err = run([*base_args(tdir, data, half), "--steps", "6", "--resume"], capsys)
     assert code == 0, err
     a = load_file(str(straight / "model.safetensors"))
     b = load_file(str(half / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    assert torch.load(half / "train_state.pt", weights_only=False)["step"] == 6
+    assert torch.load(half / "train_state.pt", weights_only=True)["step"] == 6
 
     # refusals: each names the flag, the value and the fix
     code, _, err = run([*base_args(tdir, data, straight), "--steps", "6"], capsys)
@@ -280,3 +280,36 @@ def test_text_job_prompts_never_end_in_end_of_text():
     # without an eos id the window is taken as it is
     (first, _) = rg.text_jobs([short, long], prompt_len=(30, 30), seq_len=64, min_new_tokens=4, seed=0)
     assert list(first.prompt_ids) == short.input_ids
+
+
+class _Planted:
+    """What a planted state file could hold: an object whose unpickling runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("kind", ["planted", "not_a_state", "damaged"])
+def test_resume_never_unpickles_arbitrary_objects(tmp_path, kind):
+    from dflash_trt.errors import UsageError
+    from dflash_trt.training.trainer import STATE_FILE, TrainConfig, _saved_state
+
+    out, marker = tmp_path / "run", tmp_path / "code-ran"
+    out.mkdir()
+    state = out / STATE_FILE
+    if kind == "planted":
+        torch.save({"step": 1, "drafter": {}, "optimizer": {}, "config": {}, "samples_digest": "",
+                    "payload": _Planted(marker)}, state)  # fmt: skip
+    elif kind == "not_a_state":
+        torch.save({"weights": torch.zeros(2)}, state)
+    else:
+        state.write_bytes(b"PK\x03\x04 not really a zip")
+    cfg = TrainConfig(target="tiny", data=str(tmp_path / "d.jsonl"), out=str(out), resume=True)
+    with pytest.raises(
+        UsageError, match=r"--resume: .*train_state.pt is not a (training|train-drafter) state"
+    ):
+        _saved_state(cfg, out)
+    assert not marker.exists()
