@@ -14,6 +14,7 @@ from dflash_trt.builder.shapes import text_config
 from dflash_trt.builder.torch_backend import plan_torch
 from dflash_trt.builder.trtllm_backend import check_requested_quant, plan_trtllm
 from dflash_trt.errors import ConfigError, UsageError
+from dflash_trt.spec.decoding_config import parse_tree_budget
 from dflash_trt.models.dflash_config import (
     TargetInfo,
     check_runtime_block_size,
@@ -65,6 +66,12 @@ def make_plan(req: BuildRequest) -> BuildPlan:
         raise UsageError(
             "--kv-cache-dtype fp8 with --backend torch: the embedded engine keeps its KV cache in the model dtype",
             hint="drop --kv-cache-dtype or use --backend trtllm",
+        )
+    tree = parse_tree_budget(req.tree_budget, field_name="--tree-budget")
+    if tree != 0 and backend == "trtllm":
+        raise UsageError(
+            f"--tree-budget={req.tree_budget}: TensorRT-LLM has no DFlash tree verification (DDTree)",
+            hint="build for the embedded engine with --backend torch, or drop --tree-budget (linear DFlash)",
         )
     if backend == "trtllm":
         check_requested_quant(req, profile)

@@ -31,6 +31,7 @@ from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
 from dflash_trt.spec.accept import greedy_accept, rejection_accept
 from dflash_trt.spec.prompt import check_prompt_ids
+from dflash_trt.spec.decoding_config import TREE_BUDGET_AUTO, parse_tree_budget
 from dflash_trt.spec.tree import DraftTree, build_tree, target_tokens, walk_tree
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
@@ -284,7 +285,7 @@ def spec_generate(
     sampling: SamplingConfig | None = None,
     stop_token_ids: Sequence[int] = (),
     block_size: int | None = None,
-    tree_budget: int = 0,
+    tree_budget: int | str = 0,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens (prompt excluded) for one prompt.
 
@@ -294,8 +295,13 @@ def spec_generate(
     """
     sampling = sampling or SamplingConfig()
     block_size = _check_request(target, drafter, prompt_ids, max_new_tokens, block_size)
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 0:
-        raise ConfigError("tree_budget", tree_budget, "must be an integer >= 0 (0 = linear DFlash)")
+    budget = parse_tree_budget(tree_budget, field_name="tree_budget")
+    if budget == TREE_BUDGET_AUTO:
+        raise ConfigError(
+            "tree_budget", tree_budget, "is chosen by the serving engine's cost model; the reference loop "
+            "verifies a fixed budget", hint="pass a number of nodes, e.g. 32",
+        )  # fmt: skip
+    assert isinstance(budget, int)
     device = target.device
     n = len(prompt_ids)
     max_len = n + max_new_tokens
@@ -325,10 +331,10 @@ def spec_generate(
         )
         block[0, 0] = output[-1]
         tree = None
-        if size > 1 and tree_budget:
+        if size > 1 and budget:
             assert draft is not None and pending is not None and layer_ids is not None
             new_tokens, path, feats, nodes = _tree_round(
-                target, draft, block, pending, start, sampler, budget=tree_budget, layer_ids=layer_ids
+                target, draft, block, pending, start, sampler, budget=budget, layer_ids=layer_ids
             )
             a, tree = len(new_tokens) - 1, path
             drafted += nodes
