@@ -5,6 +5,8 @@ cache invariants of linear DFlash."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -68,12 +70,14 @@ def test_tree_rounds_keep_the_cache_invariants_and_stop_ids():
     assert adapter.cache_length == 5 + sum(res.acceptance_lengths)
     # the draft cache gets each committed position once, in order: round r injects a_{r-1} + 1
     assert injected[0] == (0, 5)
-    assert all(b0 == a1 for (_, a1), (b0, _) in zip(injected, injected[1:]))
+    assert all(b0 == a1 for (_, a1), (b0, _) in itertools.pairwise(injected))
     assert [b - a for a, b in injected[1:]] == res.acceptance_lengths[: len(injected) - 1]
     # a stop id inside an accepted path ends the round there and the request
     plain = spec_generate(adapter, None, [1, 2, 3, 4, 5], max_new_tokens=40).output_ids
     stop = plain[9]
-    cut = spec_generate(adapter, drafter, [1, 2, 3, 4, 5], max_new_tokens=40, tree_budget=12, stop_token_ids=[stop])
+    cut = spec_generate(
+        adapter, drafter, [1, 2, 3, 4, 5], max_new_tokens=40, tree_budget=12, stop_token_ids=[stop]
+    )
     assert cut.output_ids == plain[: plain.index(stop) + 1] and cut.finish_reason == "stop"
 
 
@@ -104,7 +108,11 @@ def test_oracle_and_wrong_drafters(block):
 
 @pytest.mark.parametrize(
     "sampling",
-    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5), SamplingConfig(temperature=1.2, top_p=0.8)],
+    [
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.7, top_k=5),
+        SamplingConfig(temperature=1.2, top_p=0.8),
+    ],
     ids=["t1", "topk", "topp"],
 )
 def test_seeded_ddtree_sampling_equals_plain_sampling(sampling):
@@ -115,7 +123,9 @@ def test_seeded_ddtree_sampling_equals_plain_sampling(sampling):
     adapter = HFTarget(target)
     accepted = 0
     for seed in range(4):
-        cfg = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+        cfg = SamplingConfig(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed
+        )
         plain = spec_generate(adapter, None, [1, 2, 3], max_new_tokens=30, sampling=cfg)
         tree = spec_generate(adapter, drafter, [1, 2, 3], max_new_tokens=30, sampling=cfg, tree_budget=20)
         assert tree.output_ids == plain.output_ids
@@ -144,7 +154,9 @@ def test_ddtree_sampling_preserves_target_distribution(sampling):
     accepted = 0
     runs = 1200
     for s in range(runs):
-        cfg = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=s)
+        cfg = SamplingConfig(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=s
+        )
         res = spec_generate(adapter, drafter, prompt, max_new_tokens=3, sampling=cfg, tree_budget=4)
         counts[tuple(res.output_ids)] += 1
         accepted += res.num_accepted_draft_tokens

@@ -17,6 +17,7 @@ from dflash_trt.spec.tree import (
     DraftTree,
     best_first_tree,
     build_tree,
+    build_tree_host,
     commit_slots,
     gather_path,
     target_tokens,
@@ -46,11 +47,16 @@ def test_batched_tree_equals_heap_expansion(seed):
         anchors = torch.randint(0, vocab, (bs,), generator=gen)
         max_depth = torch.randint(0, g + 1, (bs,), generator=gen)
         tree = build_tree(logits, anchors, budget=budget, max_depth=max_depth)
+        host = build_tree_host(logits, anchors, budget=budget, max_depth=max_depth)
+        for got, want in zip(host, tree):
+            assert torch.equal(got, want)
         assert tree.tokens.shape == (bs, budget + 1) and tree.visibility.shape == (bs, budget + 1, budget + 1)
         for b in range(bs):
             want = best_first_tree(logits[b], int(anchors[b]), budget=budget, max_depth=int(max_depth[b]))
             m = len(want)
-            got = list(zip(tree.tokens[b, :m].tolist(), tree.parents[b, :m].tolist(), tree.depths[b, :m].tolist()))
+            got = list(
+                zip(tree.tokens[b, :m].tolist(), tree.parents[b, :m].tolist(), tree.depths[b, :m].tolist())
+            )
             assert got == want
             assert tree.valid[b, :m].all() and not tree.valid[b, m:].any()
             # available prefixes: sum over depths of min(k^d, ...) -- the tree is full whenever it can be
@@ -94,6 +100,8 @@ def test_padding_nodes_see_only_themselves_and_root_only_trees():
     assert (tree.parents[1][pad] == -1).all() and (tree.depths[1][pad] == 0).all()
     empty = build_tree(torch.zeros(1, 0, 5), torch.tensor([4]), budget=3)
     assert empty.valid.tolist() == [[True, False, False, False]] and empty.tokens[0, 0] == 4
+    for got, want in zip(build_tree_host(torch.zeros(1, 0, 5), torch.tensor([4]), budget=3), empty):
+        assert torch.equal(got, want)
     with pytest.raises(ValueError, match="budget=0"):
         build_tree(logits, torch.tensor([0, 1]), budget=0)
 
@@ -104,7 +112,9 @@ def _python_walk(tree: DraftTree, chosen: torch.Tensor, b: int) -> list[int]:
         kids = [
             i
             for i in range(tree.tokens.shape[1])
-            if tree.valid[b, i] and tree.parents[b, i] == path[-1] and tree.tokens[b, i] == chosen[b, path[-1]]
+            if tree.valid[b, i]
+            and tree.parents[b, i] == path[-1]
+            and tree.tokens[b, i] == chosen[b, path[-1]]
         ]
         if not kids:
             return path
@@ -116,7 +126,9 @@ def test_walk_follows_the_target_choices():
     for _ in range(40):
         bs, g, vocab = 3, 5, 4
         logits = torch.randn(bs, g, vocab, generator=gen) * 2
-        tree = build_tree(logits, torch.zeros(bs, dtype=torch.long), budget=14, max_depth=torch.tensor([5, 2, 0]))
+        tree = build_tree(
+            logits, torch.zeros(bs, dtype=torch.long), budget=14, max_depth=torch.tensor([5, 2, 0])
+        )
         # target choices: mostly the tree's own tokens, so that long paths occur
         chosen = torch.randint(0, vocab, (bs, 15), generator=gen)
         walk = walk_tree(tree, chosen, max_depth=g)

@@ -32,8 +32,15 @@ def run(args: list[str], capsys) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize(
     ("value", "want", "uses_tree"),
-    [(None, None, False), (0, 0, False), (16, 16, True), ("64", 64, True), ("auto", "auto", True),
-     ("AUTO", "auto", True), (MAX_TREE_BUDGET, MAX_TREE_BUDGET, True)],  # fmt: skip
+    [
+        (None, None, False),
+        (0, 0, False),
+        (16, 16, True),
+        ("64", 64, True),
+        ("auto", "auto", True),
+        ("AUTO", "auto", True),
+        (MAX_TREE_BUDGET, MAX_TREE_BUDGET, True),
+    ],
 )
 def test_config_values(value, want, uses_tree):
     cfg = DFlashDecodingConfig.from_any({**SPEC, "tree_budget": value})
@@ -44,7 +51,9 @@ def test_config_values(value, want, uses_tree):
 
 @pytest.mark.parametrize("bad", [-1, MAX_TREE_BUDGET + 1, True, 2.5, "many", "", [16]])
 def test_config_errors_name_the_field(bad):
-    with pytest.raises(ConfigError, match=r"^speculative_config\.tree_budget=.*must be an integer in \[0, 1024\] or 'auto'"):
+    with pytest.raises(
+        ConfigError, match=r"^speculative_config\.tree_budget=.*must be an integer in \[0, 1024\] or 'auto'"
+    ):
         DFlashDecodingConfig.from_any({**SPEC, "tree_budget": bad})
     with pytest.raises(ConfigError, match=r"^--tree-budget="):
         parse_tree_budget(bad, field_name="--tree-budget")
@@ -58,7 +67,9 @@ def test_llm_refuses_a_tree_before_loading_weights(monkeypatch):
 
     monkeypatch.setattr(llm_mod, "_resolve_pair", never)
     for value in (16, "auto"):
-        with pytest.raises(ConfigError, match=r"DDTree verification is not in the embedded engine yet") as err:
+        with pytest.raises(
+            ConfigError, match=r"DDTree verification is not in the embedded engine yet"
+        ) as err:
             llm_mod.LLM("tiny", speculative_config={**SPEC, "tree_budget": value})
         assert "generate --engine reference --tree-budget" in (err.value.hint or "")
 
@@ -87,13 +98,22 @@ def test_build_writes_the_budget_into_the_torch_bundle_and_serving_config(tmp_pa
     from dflash_trt import LLM
 
     engine_keys = {k: v for k, v in model_yaml.items() if k != "triton_config"}
-    with pytest.raises(ConfigError, match=r"tree_budget=32: DDTree verification is not in the embedded engine"):
+    with pytest.raises(
+        ConfigError, match=r"tree_budget=32: DDTree verification is not in the embedded engine"
+    ):
         LLM(**engine_keys)
     # no budget (or 0): the bundle is exactly the linear one
-    code, out_json, err = run(["build", "--target", "tiny", "--tree-budget", "0", "--dry-run", "--json"], capsys)
+    code, out_json, err = run(
+        ["build", "--target", "tiny", "--tree-budget", "0", "--dry-run", "--json"], capsys
+    )
     plan = json.loads(out_json)
-    assert "tree_budget" not in plan["llm_api"]["speculative_config"] and "tree_budget" not in plan["speculative"]
-    code, out_json, _ = run(["build", "--target", "tiny", "--tree-budget", "auto", "--dry-run", "--json"], capsys)
+    assert (
+        "tree_budget" not in plan["llm_api"]["speculative_config"]
+        and "tree_budget" not in plan["speculative"]
+    )
+    code, out_json, _ = run(
+        ["build", "--target", "tiny", "--tree-budget", "auto", "--dry-run", "--json"], capsys
+    )
     assert json.loads(out_json)["llm_api"]["speculative_config"]["tree_budget"] == "auto"
 
 

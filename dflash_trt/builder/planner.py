@@ -14,13 +14,13 @@ from dflash_trt.builder.shapes import text_config
 from dflash_trt.builder.torch_backend import plan_torch
 from dflash_trt.builder.trtllm_backend import check_requested_quant, plan_trtllm
 from dflash_trt.errors import ConfigError, UsageError
-from dflash_trt.spec.decoding_config import parse_tree_budget
 from dflash_trt.models.dflash_config import (
     TargetInfo,
     check_runtime_block_size,
     parse_dflash_config,
     validate_pair,
 )
+from dflash_trt.spec.decoding_config import parse_tree_budget
 
 QUANT_CHOICES = ("auto", "none", "fp8", "nvfp4")
 KV_CHOICES = ("auto", "fp8")

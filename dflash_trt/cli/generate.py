@@ -179,7 +179,9 @@ def generate(
     drafting = not no_draft and block_size != 1
     tree = parse_tree_budget(tree_budget, field_name="--tree-budget")
     if tree != 0 and not drafting:
-        raise UsageError(f"--tree-budget={tree_budget} needs a drafter", hint="drop --no-draft / --block-size 1")
+        raise UsageError(
+            f"--tree-budget={tree_budget} needs a drafter", hint="drop --no-draft / --block-size 1"
+        )
     if drafting and models.drafter_dir is None:
         raise UsageError(
             f"no drafter for --target={target!r}", hint="pass --drafter DIR, or --no-draft for plain decoding"
@@ -191,7 +193,18 @@ def generate(
         engine = "embedded" if _embedded_supports(models.target_dir) else "reference"
     if engine == "embedded":
         result = _run_embedded(
-            models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt, tree
+            models,
+            tokenizer,
+            ids,
+            sampling,
+            stops,
+            max_new_tokens,
+            block_size,
+            drafting,
+            mask_id,
+            dev,
+            dt,
+            tree,
         )
     else:
         tgt = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)

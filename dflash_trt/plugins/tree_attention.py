@@ -81,7 +81,9 @@ def tree_attention_reference(
         # the sink: one more key with zero value whose logit is the per-head constant
         zeros = k.new_zeros(bs, k.shape[1], 1, k.shape[-1])
         k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
-        bias = torch.zeros(bs, h, t, mask.shape[-1], dtype=q.dtype, device=dev).masked_fill(~mask, float("-inf"))
+        bias = torch.zeros(bs, h, t, mask.shape[-1], dtype=q.dtype, device=dev).masked_fill(
+            ~mask, float("-inf")
+        )
         sink = sinks.to(q.dtype)[None, :, None, None].expand(bs, h, t, 1)
         out = F.scaled_dot_product_attention(
             qh, k, v, attn_mask=torch.cat([bias, sink], dim=-1), scale=scale, enable_gqa=True
@@ -185,8 +187,12 @@ def _tree_attn_kernel(
             jk = t0 + tl.arange(0, BLOCK_T)
             k_ok = jk < T
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(kt_ptr + i * skt0 + jk[:, None] * skt1 + kvh * skt2 + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(vt_ptr + i * svt0 + jk[:, None] * svt1 + kvh * svt2 + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(
+                kt_ptr + i * skt0 + jk[:, None] * skt1 + kvh * skt2 + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                vt_ptr + i * svt0 + jk[:, None] * svt1 + kvh * svt2 + offs_d[None, :], mask=kv_mask, other=0.0
+            )
             s = _scores(q, k, qk_scale, IEEE)  # [BLOCK_M, BLOCK_T]
             pair_ok = row_ok[:, None] & k_ok[None, :]
             seen = tl.load(mask_ptr + i * sm0 + node[:, None] * sm1 + jk[None, :], mask=pair_ok, other=0) != 0
@@ -273,11 +279,17 @@ def _check_inputs(q, k_tree, v_tree, k_cache, v_cache, ctx_index, ctx_lens, dept
     chk(ctx_lens.shape == (bs,) and ctx_lens.dtype == torch.int64, OP, "ctx_lens must be [bs] int64")
     chk(depths.shape == (bs, t) and depths.dtype == torch.int64, OP, "depths must be [bs, T] int64")
     chk(depths.stride(1) == 1 or t <= 1, OP, "depths needs unit column stride")
-    chk(tree_mask.shape == (bs, t, t) and tree_mask.dtype == torch.bool, OP, "tree_mask must be [bs, T, T] bool")
+    chk(
+        tree_mask.shape == (bs, t, t) and tree_mask.dtype == torch.bool,
+        OP,
+        "tree_mask must be [bs, T, T] bool",
+    )
     chk(tree_mask.stride(2) == 1 or t <= 1, OP, "tree_mask needs unit column stride")
     chk(window >= 0, OP, f"window={window} must be >= 0 (0 = none)")
     chk(sinks is None or (sinks.shape == (h,) and sinks.is_contiguous()), OP, "sinks must be [H] contiguous")
-    reg.check_same_device(OP, q, k_tree, v_tree, k_cache, v_cache, ctx_index, ctx_lens, depths, tree_mask, sinks)
+    reg.check_same_device(
+        OP, q, k_tree, v_tree, k_cache, v_cache, ctx_index, ctx_lens, depths, tree_mask, sinks
+    )
 
 
 def launch_tree_attention(
@@ -311,14 +323,18 @@ def launch_tree_attention(
     block_d = reg.block(d)
     lc = ctx_index.shape[1]
     span = min(lc, window) if window > 0 else lc
-    splits = num_splits or choose_num_splits(programs=bs * hkv * m_tiles, span=span, block_n=block_n, device=q.device)
+    splits = num_splits or choose_num_splits(
+        programs=bs * hkv * m_tiles, span=span, block_n=block_n, device=q.device
+    )
     part = (
         torch.empty(bs, hkv * m_tiles, splits, block_m, block_d + 2, dtype=torch.float32, device=q.device)
         if splits > 1
         else out  # unused in single-split mode
     )
     sink_arg = sinks if sinks is not None else out  # never read without HAS_SINKS
-    common = dict(T=t, G=g, D=d, M_TILES=m_tiles, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=block_d)
+    common = dict(
+        T=t, G=g, D=d, M_TILES=m_tiles, HAS_SINKS=sinks is not None, BLOCK_M=block_m, BLOCK_D=block_d
+    )
     _tree_attn_kernel[(bs, hkv * m_tiles, splits)](
         q, k_tree, v_tree, k_cache, v_cache, ctx_index, ctx_lens, depths, tree_mask, sink_arg, out, part,
         q.stride(0), q.stride(1), q.stride(2),

@@ -30,9 +30,8 @@ from dflash_trt.layers.kv_cache import (
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
 from dflash_trt.spec.accept import greedy_accept, rejection_accept
-from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.decoding_config import TREE_BUDGET_AUTO, parse_tree_budget
-from dflash_trt.spec.tree import DraftTree, build_tree, target_tokens, walk_tree
+from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -43,6 +42,7 @@ from dflash_trt.spec.sampling import (
     seed_tensor,
     uniform,
 )
+from dflash_trt.spec.tree import DraftTree, build_tree, target_tokens, walk_tree
 
 DRAFT_PAGE_SIZE = 16
 
@@ -251,8 +251,15 @@ def _accept(
 
 
 def _tree_round(
-    target: TargetAdapter, draft: _Draft, block: torch.Tensor, pending: torch.Tensor, start: int,
-    sampler: _Sampler, *, budget: int, layer_ids: list[int],
+    target: TargetAdapter,
+    draft: _Draft,
+    block: torch.Tensor,
+    pending: torch.Tensor,
+    start: int,
+    sampler: _Sampler,
+    *,
+    budget: int,
+    layer_ids: list[int],
 ) -> tuple[list[int], list[int], torch.Tensor | None, int]:
     """One DDTree round (dflash-algorithm.md §6) for the block [1, size] (anchor, masks): draft,
     build the tree of `budget` nodes, verify it in one target pass, walk it. Returns (tokens: the
@@ -261,7 +268,10 @@ def _tree_round(
     g = block.shape[1] - 1
     tree = build_tree(draft.logits(block, pending, start)[None], block[:, 0], budget=budget)
     real = int(tree.valid[0].sum())  # real nodes come first; batch 1 needs no padding
-    tree = DraftTree(*(t[:, :real] for t in tree[:4]), tree.visibility[:, :real, :real])  # fmt: skip
+    tree = DraftTree(
+        tree.tokens[:, :real], tree.parents[:, :real], tree.depths[:, :real], tree.valid[:, :real],
+        tree.visibility[:, :real, :real],
+    )  # fmt: skip
     logits, feats = target.extend_tree(
         tree.tokens, start, tree.depths[0], tree.visibility[0], layer_ids=layer_ids
     )  # [T, V], [T, K * D]

@@ -183,7 +183,9 @@ class HFTarget:
             raise RuntimeError("keep_nodes() must follow extend_tree()")
         picked = torch.tensor(list(nodes), dtype=torch.long, device=self.device)
         for layer in self._cache.layers:
-            past = layer.keys.shape[-2] - t  # cached entries before the tree (a window's tail for sliding layers)
+            past = (
+                layer.keys.shape[-2] - t
+            )  # cached entries before the tree (a window's tail for sliding layers)
             index = torch.cat([torch.arange(past, device=self.device), past + picked])
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
@@ -207,7 +209,9 @@ class HFTarget:
                     f"not {type(layer).__name__}"
                 )
 
-    def _tree_mask(self, kind: str, start: int, q_pos: torch.Tensor, visibility: torch.Tensor) -> torch.Tensor:
+    def _tree_mask(
+        self, kind: str, start: int, q_pos: torch.Tensor, visibility: torch.Tensor
+    ) -> torch.Tensor:
         """Additive float mask [1, 1, T, past + T] for one layer type: cached tokens visible as
         under causal attention (and its window), tree nodes by `visibility` [T, T]."""
         kinds = getattr(self.model.config, "layer_types", None) or ["full_attention"]
@@ -222,7 +226,9 @@ class HFTarget:
         if window is not None:
             seen = seen & (q_pos[:, None] - k_pos[None, :] < window)
         blocked = torch.finfo(self.dtype).min
-        return torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(~seen, blocked)[None, None]
+        return torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(~seen, blocked)[
+            None, None
+        ]
 
     def crop(self, length: int) -> None:
         remove = self.cache_length - length

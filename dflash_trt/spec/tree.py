@@ -13,8 +13,11 @@ taking parents, and popping a max-heap (parent -> first child and next sibling) 
 them in non-increasing score order. `build_tree` computes the same set without a heap: because the
 score of (parent, rank r) is score(parent) + L_δ[r] with L_δ the same for every parent, the best
 `budget` nodes at depth δ descend from the best `budget` at depth δ - 1, so a beam of width
-`budget` per depth followed by one stable sort over all depths selects them (`best_first_tree`,
-the heap, is the oracle in the tests). Node order = selection order, so parents precede children.
+`budget` per depth followed by one stable sort over all depths selects them, on device with no
+host sync (CUDA graphs, torch.compile). `best_first_tree` is the heap itself, and `build_tree_host`
+packs its trees into the same tensors: cheaper on CPU at small batch, where `build_tree`'s g - 1
+top-k steps cost more in dispatch than a few hundred heap operations. Node order = selection
+order, so parents precede children.
 
 Tensors of a tree for bs requests, N = budget + 1 nodes (node 0 is the root: the anchor at
 position `start`; node i sits at position start + depth_i): see `DraftTree`. Requests whose tree
@@ -134,25 +137,30 @@ def build_tree(
 
     # Beam per depth: the n best nodes at depth δ (score, rank among the depth's top-k, parent's
     # column in the depth δ - 1 beam). Depth 1's beam is its top-k, padded with non-nodes.
+    # Depth 1's beam is its top-k (flat index = rank), padded with non-nodes; deeper beams keep the
+    # flat index parent_column * k + rank into [bs, n, k].
     score = _pad_columns(top_lp[:, 0], n, float("-inf"))  # [bs, n]
-    rank = _pad_columns(torch.arange(k, device=dev).expand(bs, k), n, 0)  # [bs, n]
-    scores, ranks, parent_cols = [score], [rank], [torch.full_like(rank, -1)]
+    scores = [score]
+    flats = [_pad_columns(torch.arange(k, device=dev).expand(bs, k), n, 0)]
     for d in range(1, g):
         cand = score[:, :, None] + top_lp[:, d, None, :]  # [bs, n, k]
         score, flat = cand.reshape(bs, n * k).topk(n, dim=-1)  # [bs, n]
         scores.append(score)
-        ranks.append(flat % k)
-        parent_cols.append((d - 1) * n + flat // k)  # column of the parent in the flattened beams
+        flats.append(flat)
+    flat_all = torch.stack(flats, dim=1)  # [bs, g, n]
+    ranks = flat_all % k
+    depth_base = torch.arange(-1, g - 1, device=dev)[None, :, None] * n  # beam d - 1 starts at (d - 1) * n
+    parent_cols = torch.where(depth_base < 0, -1, depth_base + flat_all // k).reshape(bs, g * n)
 
     # One stable sort over every depth's beam (depth-major): ties keep shallower nodes first, so a
     # parent (score >= its child's) is always selected before its child.
     all_scores = torch.cat(scores, dim=1)  # [bs, g * n]
     order = all_scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # [bs, n]
     valid = torch.isfinite(all_scores.gather(1, order))
-    all_tokens = top_tok.gather(2, torch.stack(ranks, dim=1)).reshape(bs, g * n)
+    all_tokens = top_tok.gather(2, ranks).reshape(bs, g * n)
     node_of = torch.full((bs, g * n), -1, dtype=torch.long, device=dev)
     node_of.scatter_(1, order, torch.arange(1, n + 1, device=dev).expand(bs, n))
-    parent_col = torch.cat(parent_cols, dim=1).gather(1, order)  # [bs, n]
+    parent_col = parent_cols.gather(1, order)  # [bs, n]
     parent = torch.where(parent_col < 0, 0, node_of.gather(1, parent_col.clamp_min(0)))
     depth = torch.div(order, n, rounding_mode="floor") + 1
 
@@ -178,7 +186,7 @@ def best_first_tree(
     limit = g if max_depth is None else min(g, max_depth)
     k = min(budget, vocab)
     top_lp_t, top_tok_t = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)
-    top_lp = top_lp_t.clamp_min(LOG_PROB_FLOOR).numpy().astype(np.float32)  # [g, k]
+    top_lp = top_lp_t.clamp_min(LOG_PROB_FLOOR).cpu().numpy().astype(np.float32)  # [g, k]
     top_tok = top_tok_t.tolist()
     nodes = [(int(anchor), -1, 0)]
     if limit == 0:
@@ -198,23 +206,45 @@ def best_first_tree(
             heapq.heappush(heap, (-float(score + top_lp[depth, 0]), pushes, me, score, depth + 1, 0))
             pushes += 1
     return nodes
-    zero = torch.zeros((), dtype=torch.float32)
-    # entries: (-score, tie order, parent node, parent score, depth, rank); scores in float32 like the beams
-    heap = [(-float(zero + top_lp[0][0]), 0, 0, 0.0, 1, 0)]
-    pushes = 1
-    while heap and len(nodes) < budget + 1:
-        neg, _, parent, parent_score, depth, rank = heapq.heappop(heap)
-        nodes.append((top_tok[depth - 1][rank], parent, depth))
-        me = len(nodes) - 1
-        if rank + 1 < k:  # next sibling
-            s = float(torch.tensor(parent_score, dtype=torch.float32) + top_lp[depth - 1][rank + 1])
-            heapq.heappush(heap, (-s, pushes, parent, parent_score, depth, rank + 1))
-            pushes += 1
-        if depth < limit:  # first child
-            s = float(torch.tensor(-neg, dtype=torch.float32) + top_lp[depth][0])
-            heapq.heappush(heap, (-s, pushes, me, -neg, depth + 1, 0))
-            pushes += 1
-    return nodes
+
+
+def build_tree_host(
+    draft_logits: torch.Tensor,
+    anchors: torch.Tensor,
+    *,
+    budget: int,
+    max_depth: torch.Tensor | None = None,
+) -> DraftTree:
+    """`build_tree`'s result computed on the host with the heap, one request at a time.
+
+    Same arguments and tensors (equal whenever no two prefixes tie in score). For CPU rounds at
+    small batch, where a few hundred heap operations cost less than `build_tree`'s per-depth
+    operator dispatches; it reads the logits on the host, so on CUDA it would synchronise.
+    """
+    bs, g, _ = draft_logits.shape
+    if budget < 1:
+        raise ValueError(f"budget={budget}: a tree needs at least one drafted node")
+    n1 = budget + 1
+    limits = [g] * bs if max_depth is None else max_depth.tolist()
+    anchor_ids = anchors.tolist()
+    tokens = np.zeros((bs, n1), dtype=np.int64)
+    parents = np.full((bs, n1), -1, dtype=np.int64)
+    depths = np.zeros((bs, n1), dtype=np.int64)
+    valid = np.zeros((bs, n1), dtype=bool)
+    vis = np.zeros((bs, n1, n1), dtype=bool)
+    vis[:, np.arange(n1), np.arange(n1)] = True  # every node (padding too) sees itself
+    for b in range(bs):
+        nodes = (
+            best_first_tree(draft_logits[b], anchor_ids[b], budget=budget, max_depth=int(limits[b]))
+            if g
+            else [(int(anchor_ids[b]), -1, 0)]
+        )
+        for i, (tok, parent, depth) in enumerate(nodes):
+            tokens[b, i], parents[b, i], depths[b, i], valid[b, i] = tok, parent, depth, True
+            if parent >= 0:
+                vis[b, i] |= vis[b, parent]  # parents precede children
+    dev = draft_logits.device
+    return DraftTree(*(torch.from_numpy(x).to(dev) for x in (tokens, parents, depths, valid, vis)))
 
 
 def tree_positions(starts: torch.Tensor, tree: DraftTree) -> torch.Tensor:

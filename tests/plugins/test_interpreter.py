@@ -25,7 +25,16 @@ def test_triton_kernels_under_the_interpreter(tmp_path: Path) -> None:
     report = tmp_path / "junit.xml"
     # one OpenMP thread: the tiny GEMMs only lose to thread spinning on a shared machine
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *map(str, CHILDREN)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        *map(str, CHILDREN),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert report.is_file(), tail

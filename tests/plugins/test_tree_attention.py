@@ -41,8 +41,17 @@ def test_op_equals_the_native_targets_tree_attention(tmp_path, arch, monkeypatch
     pos = torch.arange(10).expand(bs, -1)
     ok = pos < starts[:, None]
     with torch.no_grad():
-        native(torch.randint(0, 60, (bs, 10)), pos, starts, cache, torch.where(ok, slot_mapping(tables, pos, page), 0), ctx)
-    tree = build_tree(torch.randn(bs, 5, 61), torch.tensor([1, 2]), budget=budget, max_depth=torch.tensor([5, 3]))
+        native(
+            torch.randint(0, 60, (bs, 10)),
+            pos,
+            starts,
+            cache,
+            torch.where(ok, slot_mapping(tables, pos, page), 0),
+            ctx,
+        )
+    tree = build_tree(
+        torch.randn(bs, 5, 61), torch.tensor([1, 2]), budget=budget, max_depth=torch.tensor([5, 3])
+    )
     slots = slot_mapping(tables, starts[:, None] + torch.arange(budget + 1), page)
     run = dict(cache=cache, slots=slots, ctx_index=ctx, block_mask=tree.visibility)
     with torch.no_grad():

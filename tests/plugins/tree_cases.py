@@ -35,7 +35,9 @@ class TreeCase:
         dt = str(self.dtype).removeprefix("torch.")
         return (
             f"bs{self.bs}-T{self.budget + 1}-g{self.depth}-H{self.heads}x{self.kv_heads}-d{self.head_dim}"
-            f"-P{self.page}" + (f"-w{self.window}" if self.window else "") + ("-sinks" if self.sinks else "")
+            f"-P{self.page}"
+            + (f"-w{self.window}" if self.window else "")
+            + ("-sinks" if self.sinks else "")
             + f"-{dt}"
         )
 
@@ -82,7 +84,11 @@ def explicit_tree_attention(args: tuple) -> torch.Tensor:
         for i in range(t):
             pos = n + int(depths[b, i])
             seen = [p for p in range(n) if not window or pos - p < window]
-            seen += [n + j for j in range(t) if mask[b, i, j] and (not window or depths[b, i] - depths[b, j] < window)]
+            seen += [
+                n + j
+                for j in range(t)
+                if mask[b, i, j] and (not window or depths[b, i] - depths[b, j] < window)
+            ]
             for hh in range(h):
                 s = keys[seen, hh // g] @ q[b, i, hh].double() * scale
                 if sinks is not None:
