@@ -43,6 +43,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--repeats", type=int, default=200, help="calls per tree-cost measurement")
     p.add_argument("--cost-batch-sizes", default="1,8", help="batch sizes of the tree-cost measurement")
+    p.add_argument(
+        "--only", choices=("both", "tau", "cost"), default="both",
+        help="run one part (time the tree cost under cpu-quiet; tau does not depend on timing)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     try:
@@ -121,23 +125,31 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     paths = ensure_tiny()
+    if args.only == "cost":
+        args.prompts = 0
     target = HFTarget.from_pretrained(paths.target, device=torch.device("cpu"), dtype=torch.float32)
     drafter = load_drafter(paths.drafter)
     tok = AutoTokenizer.from_pretrained(paths.target)
     prompts = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in heldout_prompts()[: args.prompts]]
     stops = [tok.eos_token_id]
-    runs = [_measure_tau(target, drafter, prompts, stops, args, b) for b in [0, *args.budgets]]
-    linear = runs[0]
-    mismatched = {r["tree_budget"]: [i for i, (a, b) in enumerate(zip(linear["outputs"], r["outputs"])) if a != b]
-                  for r in runs[1:]}  # fmt: skip
+    runs = (
+        [_measure_tau(target, drafter, prompts, stops, args, b) for b in [0, *args.budgets]]
+        if prompts
+        else []
+    )
+    mismatched: dict[int, list[int]] = {}
+    base = runs[0]["outputs"] if runs else []
     for r in runs:
-        r["tau_ratio"] = r["tau"] / linear["tau"] if r["tau"] and linear["tau"] else None
-        r.pop("outputs")
-    cost = _tree_cost(batch_sizes=args.cost_batch_sizes, budgets=args.budgets, g=drafter.block_size - 1,
-                      vocab=target.info.vocab_size, repeats=args.repeats)  # fmt: skip
+        mismatched[r["tree_budget"]] = [i for i, (a, b) in enumerate(zip(base, r.pop("outputs"))) if a != b]
+        r["tau_ratio"] = r["tau"] / runs[0]["tau"] if r["tau"] and runs[0]["tau"] else None
+    cost = []
+    if args.only != "tau":
+        cost = _tree_cost(batch_sizes=args.cost_batch_sizes, budgets=args.budgets, g=drafter.block_size - 1,
+                          vocab=target.info.vocab_size, repeats=args.repeats)  # fmt: skip
     result: dict[str, Any] = {
         "config": {
             "pair": "tiny",
+            "parts": args.only,
             "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens,
             "block_size": drafter.block_size,

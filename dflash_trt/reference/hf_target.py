@@ -183,9 +183,8 @@ class HFTarget:
             raise RuntimeError("keep_nodes() must follow extend_tree()")
         picked = torch.tensor(list(nodes), dtype=torch.long, device=self.device)
         for layer in self._cache.layers:
-            past = (
-                layer.keys.shape[-2] - t
-            )  # cached entries before the tree (a window's tail for sliding layers)
+            # cached entries before the tree (a window's tail for sliding layers), then the kept nodes
+            past = layer.keys.shape[-2] - t
             index = torch.cat([torch.arange(past, device=self.device), past + picked])
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
@@ -225,10 +224,8 @@ class HFTarget:
         )  # [T, past + T]
         if window is not None:
             seen = seen & (q_pos[:, None] - k_pos[None, :] < window)
-        blocked = torch.finfo(self.dtype).min
-        return torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill(~seen, blocked)[
-            None, None
-        ]
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill(~seen, torch.finfo(self.dtype).min)[None, None]
 
     def crop(self, length: int) -> None:
         remove = self.cache_length - length

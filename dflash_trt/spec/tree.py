@@ -74,9 +74,9 @@ class TreeWalk(NamedTuple):
 
 
 def _pad_columns(x: torch.Tensor, width: int, value: float | int) -> torch.Tensor:
-    """x: [bs, w] -> [bs, width]: truncated or right-padded with `value`."""
-    if x.shape[1] >= width:
-        return x[:, :width]
+    """x: [bs, w <= width] -> [bs, width], right-padded with `value`."""
+    if x.shape[1] == width:
+        return x
     pad = x.new_full((x.shape[0], width - x.shape[1]), value)
     return torch.cat([x, pad], dim=1)
 
@@ -108,6 +108,29 @@ def ancestor_visibility(parents: torch.Tensor, valid: torch.Tensor, *, max_depth
     return vis
 
 
+def _beams(top_lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The n best nodes of every depth. top_lp: [bs, g, k] the depths' sorted top-k log-probs
+    (-inf: no such node). Returns, depth-major over g beams of n columns: scores [bs, g * n],
+    ranks [bs, g, n] (the node's rank in its depth's top-k), parent columns [bs, g * n] (the
+    parent's column in the flattened beams; -1 at depth 1, whose parent is the root)."""
+    bs, g, k = top_lp.shape
+    dev = top_lp.device
+    # Depth 1's beam is its top-k (flat index = rank), padded with non-nodes; a deeper beam keeps
+    # the flat index parent_column * k + rank into its candidates [bs, n, k].
+    score = _pad_columns(top_lp[:, 0], n, float("-inf"))  # [bs, n]
+    scores = [score]
+    flats = [_pad_columns(torch.arange(k, device=dev).expand(bs, k), n, 0)]
+    for d in range(1, g):
+        cand = score[:, :, None] + top_lp[:, d, None, :]  # [bs, n, k]
+        score, flat = cand.reshape(bs, n * k).topk(n, dim=-1)  # [bs, n]
+        scores.append(score)
+        flats.append(flat)
+    flat_all = torch.stack(flats, dim=1)  # [bs, g, n]
+    depth_base = torch.arange(-1, g - 1, device=dev)[None, :, None] * n  # beam d - 1 starts at (d - 1) * n
+    parent_cols = torch.where(depth_base < 0, -1, depth_base + flat_all // k).reshape(bs, g * n)
+    return torch.cat(scores, dim=1), flat_all % k, parent_cols
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     anchors: torch.Tensor,
@@ -135,26 +158,10 @@ def build_tree(
         too_deep = torch.arange(1, g + 1, device=dev)[None, :] > max_depth[:, None]  # [bs, g]
         top_lp = top_lp.masked_fill(too_deep[..., None], float("-inf"))
 
-    # Beam per depth: the n best nodes at depth δ (score, rank among the depth's top-k, parent's
-    # column in the depth δ - 1 beam). Depth 1's beam is its top-k, padded with non-nodes.
-    # Depth 1's beam is its top-k (flat index = rank), padded with non-nodes; deeper beams keep the
-    # flat index parent_column * k + rank into [bs, n, k].
-    score = _pad_columns(top_lp[:, 0], n, float("-inf"))  # [bs, n]
-    scores = [score]
-    flats = [_pad_columns(torch.arange(k, device=dev).expand(bs, k), n, 0)]
-    for d in range(1, g):
-        cand = score[:, :, None] + top_lp[:, d, None, :]  # [bs, n, k]
-        score, flat = cand.reshape(bs, n * k).topk(n, dim=-1)  # [bs, n]
-        scores.append(score)
-        flats.append(flat)
-    flat_all = torch.stack(flats, dim=1)  # [bs, g, n]
-    ranks = flat_all % k
-    depth_base = torch.arange(-1, g - 1, device=dev)[None, :, None] * n  # beam d - 1 starts at (d - 1) * n
-    parent_cols = torch.where(depth_base < 0, -1, depth_base + flat_all // k).reshape(bs, g * n)
+    all_scores, ranks, parent_cols = _beams(top_lp, n)
 
     # One stable sort over every depth's beam (depth-major): ties keep shallower nodes first, so a
     # parent (score >= its child's) is always selected before its child.
-    all_scores = torch.cat(scores, dim=1)  # [bs, g * n]
     order = all_scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # [bs, n]
     valid = torch.isfinite(all_scores.gather(1, order))
     all_tokens = top_tok.gather(2, ranks).reshape(bs, g * n)
