@@ -12,6 +12,12 @@ building the tree.
   tree cost  spec.tree.build_tree (batched, on device, no host sync) and build_tree_host (the
              paper's heap per request, packed into the same tensors) on random drafter logits
              [bs, g, V] of the tiny pair's shape, median of --repeats calls, per budget.
+  verify     the tiny target's native verify pass (NativeTarget on the paged cache, layer taps on,
+             a 256-token context) over the linear block (B tokens, causal) and over a tree of
+             budget + 1 nodes (block_mask), interleaved, median of --repeats calls: what a tree
+             costs the round before the engine has one.
+  Timings alternate the variants call by call, so their ratios hold on a loaded machine; run
+  `--only cost` / `--only verify` under cpu-quiet for absolute numbers.
 
     .venv/bin/python bench/ddtree_tau.py                                   # 32 prompts x 128 tokens
     .venv/bin/python bench/ddtree_tau.py --prompts 4 --max-new-tokens 32 --budgets 16 --json out.json
@@ -44,7 +50,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=200, help="calls per tree-cost measurement")
     p.add_argument("--cost-batch-sizes", default="1,8", help="batch sizes of the tree-cost measurement")
     p.add_argument(
-        "--only", choices=("both", "tau", "cost"), default="both",
+        "--only", choices=("all", "tau", "cost", "verify"), default="all",
         help="run one part (time the tree cost under cpu-quiet; tau does not depend on timing)",
     )  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results here")
@@ -114,6 +120,55 @@ def _tree_cost(*, batch_sizes: list[int], budgets: list[int], g: int, vocab: int
     return rows
 
 
+def _verify_cost(target_dir, drafter, args) -> list[dict]:
+    import torch
+
+    from dflash_trt.layers.kv_cache import context_index, slot_mapping
+    from dflash_trt.models.loader import load_native_target
+    from dflash_trt.spec.tree import build_tree, tree_positions
+
+    native = load_native_target(target_dir, device="cpu", dtype=torch.float32)
+    taps = list(drafter.config.target_layer_ids)
+    page, ctx, block = 16, 256, drafter.block_size
+    vocab = native.config.vocab_size
+    rows = []
+    for bs in args.cost_batch_sizes:
+        width = (ctx + max(args.budgets) + 1) // page + 2
+        cache = native.make_cache(num_pages=1 + bs * width, page_size=page)
+        tables = (1 + torch.arange(bs * width)).view(bs, width)
+        index = context_index(tables, page)
+        starts = torch.full((bs,), ctx)
+        pos = torch.arange(ctx).expand(bs, ctx)
+        with torch.inference_mode():
+            native(
+                torch.randint(0, vocab, (bs, ctx)), pos, starts, cache, slot_mapping(tables, pos, page), index
+            )
+        # (tokens, tree): the linear block first, then one tree per budget
+        variants: list[tuple[int, Any]] = [(block, None)]
+        for budget in args.budgets:
+            logits = torch.randn(bs, block - 1, vocab) * 3
+            variants.append(
+                (budget + 1, build_tree(logits, torch.zeros(bs, dtype=torch.long), budget=budget))
+            )
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(args.repeats):
+            for (t, tree), spent in zip(variants, times):
+                cols = starts[:, None] + torch.arange(t)
+                positions = cols if tree is None else tree_positions(starts, tree)
+                ids = torch.randint(0, vocab, (bs, t)) if tree is None else tree.tokens
+                mask = None if tree is None else tree.visibility
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    native(ids, positions, starts + t, cache, slot_mapping(tables, cols, page), index,
+                           tap_layers=taps, block_mask=mask)  # fmt: skip
+                spent.append(time.perf_counter() - t0)
+        base = statistics.median(times[0])
+        rows += [{"batch_size": bs, "tokens": t, "tree": tree is not None, "context": ctx,
+                  "ms": statistics.median(v) * 1e3, "ratio_to_linear": statistics.median(v) / base}
+                 for (t, tree), v in zip(variants, times)]  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     import torch
@@ -125,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     paths = ensure_tiny()
-    if args.only == "cost":
+    if args.only in ("cost", "verify"):
         args.prompts = 0
     target = HFTarget.from_pretrained(paths.target, device=torch.device("cpu"), dtype=torch.float32)
     drafter = load_drafter(paths.drafter)
@@ -142,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         mismatched[r["tree_budget"]] = [i for i, (a, b) in enumerate(zip(base, r.pop("outputs"))) if a != b]
         r["tau_ratio"] = r["tau"] / runs[0]["tau"] if r["tau"] and runs[0]["tau"] else None
+    verify = _verify_cost(paths.target, drafter, args) if args.only in ("all", "verify") else []
     cost = []
-    if args.only != "tau":
+    if args.only in ("all", "cost"):
         cost = _tree_cost(batch_sizes=args.cost_batch_sizes, budgets=args.budgets, g=drafter.block_size - 1,
                           vocab=target.info.vocab_size, repeats=args.repeats)  # fmt: skip
     result: dict[str, Any] = {
@@ -167,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "tau": runs,
         "tree_cost": cost,
+        "verify_cost": verify,
         "identical": not any(mismatched.values()),
         "mismatched_prompts": {str(k): v for k, v in mismatched.items() if v},
     }
@@ -178,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'bs':>3} {'budget':>7} {'batched us':>11} {'heap us':>9}")
     for c in cost:
         print(f"{c['batch_size']:>3} {c['tree_budget']:>7} {c['batched_us']:11.0f} {c['heap_us']:9.0f}")
+    if verify:
+        print(f"{'bs':>3} {'nodes':>6} {'verify ms':>10} {'x linear':>9}")
+    for v in verify:
+        print(f"{v['batch_size']:>3} {v['tokens']:>6} {v['ms']:10.2f} {v['ratio_to_linear']:9.2f}")
     print(f"outputs identical to linear DFlash: {'yes' if result['identical'] else 'NO'}")
     if args.json:
         from dflash_trt.utils.io import atomic_write_text

@@ -108,6 +108,19 @@ def ancestor_visibility(parents: torch.Tensor, valid: torch.Tensor, *, max_depth
     return vis
 
 
+_STAIRCASES: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _staircase(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent column j, rank r) pairs with (j + 1)(r + 1) <= n and r < k, j-major (cached)."""
+    key = (n, k, str(device))
+    if key not in _STAIRCASES:
+        pairs = [(j, r) for j in range(n) for r in range(min(k, n // (j + 1)))]
+        both = torch.tensor(pairs, dtype=torch.long, device=device)
+        _STAIRCASES[key] = (both[:, 0].contiguous(), both[:, 1].contiguous())
+    return _STAIRCASES[key]
+
+
 def _beams(top_lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The n best nodes of every depth. top_lp: [bs, g, k] the depths' sorted top-k log-probs
     (-inf: no such node). Returns, depth-major over g beams of n columns: scores [bs, g * n],
@@ -116,16 +129,21 @@ def _beams(top_lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
     bs, g, k = top_lp.shape
     dev = top_lp.device
     # Depth 1's beam is its top-k (flat index = rank), padded with non-nodes; a deeper beam keeps
-    # the flat index parent_column * k + rank into its candidates [bs, n, k].
+    # the flat index parent_column * k + rank. Beams and top-k rows are sorted best first, so the
+    # child (j, r) is outscored by the (j + 1)(r + 1) - 1 pairs (j' <= j, r' <= r): only pairs with
+    # (j + 1)(r + 1) <= n can make the beam, about n ln n of them instead of n * k.
     score = _pad_columns(top_lp[:, 0], n, float("-inf"))  # [bs, n]
-    scores = [score]
-    flats = [_pad_columns(torch.arange(k, device=dev).expand(bs, k), n, 0)]
+    scores, picks = [score], []
+    cand_j, cand_r = _staircase(n, k, dev)  # [C], [C]
+    child_lp = top_lp[:, :, cand_r]  # [bs, g, C]
     for d in range(1, g):
-        cand = score[:, :, None] + top_lp[:, d, None, :]  # [bs, n, k]
-        score, flat = cand.reshape(bs, n * k).topk(n, dim=-1)  # [bs, n]
+        score, pick = (score[:, cand_j] + child_lp[:, d]).topk(n, dim=-1)  # [bs, n]
         scores.append(score)
-        flats.append(flat)
-    flat_all = torch.stack(flats, dim=1)  # [bs, g, n]
+        picks.append(pick)
+    flat_all = _pad_columns(torch.arange(k, device=dev).expand(bs, k), n, 0)[:, None]  # [bs, 1, n]
+    if picks:
+        deeper = torch.stack(picks, dim=1)  # [bs, g - 1, n] indices into the staircase
+        flat_all = torch.cat([flat_all, cand_j[deeper] * k + cand_r[deeper]], dim=1)  # [bs, g, n]
     depth_base = torch.arange(-1, g - 1, device=dev)[None, :, None] * n  # beam d - 1 starts at (d - 1) * n
     parent_cols = torch.where(depth_base < 0, -1, depth_base + flat_all // k).reshape(bs, g * n)
     return torch.cat(scores, dim=1), flat_all % k, parent_cols

@@ -38,6 +38,10 @@ def test_tiny_run_is_identical_and_records_its_configuration(tmp_path: Path) -> 
         assert row["drafted_nodes_per_round"] <= row["tree_budget"]
     assert {(c["batch_size"], c["tree_budget"]) for c in r["tree_cost"]} == {(1, 4), (1, 24), (3, 4), (3, 24)}
     assert all(c["batched_us"] > 0 and c["heap_us"] > 0 for c in r["tree_cost"])
+    verify = {(v["batch_size"], v["tokens"], v["tree"]): v for v in r["verify_cost"]}
+    assert set(verify) == {(b, t, t != 16) for b in (1, 3) for t in (16, 5, 25)}
+    assert all(verify[(b, 16, False)]["ratio_to_linear"] == 1.0 for b in (1, 3))
+    assert all(v["ms"] > 0 for v in verify.values())
     assert "outputs identical to linear DFlash: yes" in proc.stdout
 
 
