@@ -2,12 +2,15 @@
 """The `tree_budget` extension of the DFlash speculative config, end to end through the user-facing
 entry points: the config class, LLM(...) (refused until the engine verifies trees), build (the
 torch backend writes it into the bundle's engine config; trtllm refuses it before reading any
-config), the bundle's model.yaml as the Triton model hands it to LLM, generate and bench engine."""
+config), serve (a real tritonserver whose Triton model builds LLM from the bundle), generate and
+bench engine."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -15,19 +18,10 @@ import yaml
 from dflash_trt.cli import main
 from dflash_trt.errors import ConfigError
 from dflash_trt.spec.decoding_config import MAX_TREE_BUDGET, DFlashDecodingConfig, parse_tree_budget
+from tests.test_cli_generate import run
 
 SPEC = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": "tiny"}
 REFUSED = r"tree_budget=16: DDTree verification is not in the embedded engine yet"
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize(
@@ -84,37 +78,53 @@ def test_llm_stores_a_zero_budget_and_runs_linear_dflash():
         assert len(out.outputs[0].token_ids) == 6
 
 
-def test_build_writes_the_budget_into_the_torch_bundle_and_serving_config(tmp_path, capsys):
-    out = tmp_path / "tree"
-    code, _, err = run(["build", "--target", "tiny", "--tree-budget", "32", "--output", str(out)], capsys)
-    assert code == 0, err
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["speculative"]["tree_budget"] == 32 and manifest["inputs"]["tree_budget"] == "32"
-    llm_api = yaml.safe_load((out / "engine" / "llm_api.yaml").read_text())
-    assert llm_api["speculative_config"]["tree_budget"] == 32
-    model_yaml = yaml.safe_load((out / "model_repository" / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    assert model_yaml["speculative_config"]["tree_budget"] == 32
-    # the Triton model hands model.yaml's engine keys to LLM(**cfg): the budget arrives and is refused
-    from dflash_trt import LLM
+@pytest.fixture(scope="module")
+def tree_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tree") / "bundle"
+    with pytest.raises(SystemExit) as done:
+        main(["build", "--target", "tiny", "--tree-budget", "32", "--output", str(out)])
+    assert done.value.code == 0
+    return out
 
-    engine_keys = {k: v for k, v in model_yaml.items() if k != "triton_config"}
-    with pytest.raises(
-        ConfigError, match=r"tree_budget=32: DDTree verification is not in the embedded engine"
-    ):
-        LLM(**engine_keys)
+
+def test_build_writes_the_budget_into_the_torch_bundle(tree_bundle, capsys):
+    manifest = json.loads((tree_bundle / "manifest.json").read_text())
+    assert manifest["speculative"]["tree_budget"] == 32 and manifest["inputs"]["tree_budget"] == "32"
+    llm_api = yaml.safe_load((tree_bundle / "engine" / "llm_api.yaml").read_text())
+    assert llm_api["speculative_config"]["tree_budget"] == 32
+    model_yaml = yaml.safe_load((tree_bundle / "model_repository/tensorrt_llm/1/model.yaml").read_text())
+    assert model_yaml["speculative_config"]["tree_budget"] == 32
     # no budget (or 0): the bundle is exactly the linear one
     code, out_json, err = run(
         ["build", "--target", "tiny", "--tree-budget", "0", "--dry-run", "--json"], capsys
     )
+    assert code == 0, err
     plan = json.loads(out_json)
     assert (
         "tree_budget" not in plan["llm_api"]["speculative_config"]
         and "tree_budget" not in plan["speculative"]
     )
-    code, out_json, _ = run(
+    code, out_json, err = run(
         ["build", "--target", "tiny", "--tree-budget", "auto", "--dry-run", "--json"], capsys
     )
+    assert code == 0, err
     assert json.loads(out_json)["llm_api"]["speculative_config"]["tree_budget"] == "auto"
+
+
+@pytest.mark.triton_server
+def test_serve_hands_the_budget_to_the_engine_through_the_triton_model(tree_bundle):
+    """A real tritonserver loads the bundle's Triton model, which builds LLM(**model.yaml): the
+    budget arrives there and, until the engine verifies trees, serve stops with its message."""
+    from tests.serving.conftest import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(tree_bundle), "--http-port", str(http),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--ready-timeout", "120", "--quiet"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "tree_budget=32: DDTree verification is not in the embedded engine yet" in proc.stderr
 
 
 def test_build_refuses_a_tree_for_trtllm_before_reading_configs(capsys):
