@@ -108,3 +108,67 @@ def test_launcher_refuses_bad_layouts_without_launching():
         tree_attention._check_inputs(*bad[:9], bad[9], bad[11])
     with pytest.raises(ValueError, match="multiple of Hkv"):
         tree_attention._check_inputs(torch.randn(2, 7, 3, 12), *args[1:9], args[9], args[11])
+
+
+# --- on a CUDA device (skipped without one; not yet run: no GPU was lent to this work) -----------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+_TOL = {torch.float32: 2e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _on_cuda(args: tuple, dtype: torch.dtype) -> tuple:
+    """Floating tensors to `dtype` (sinks stay float32), everything to the device."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = (a.to(dtype) if a.is_floating_point() and a.dim() > 1 else a).cuda()
+        out.append(a)
+    return tuple(out)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", tree_cases.TREE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_device(case, dtype):
+    args = _on_cuda(tree_cases.tree_inputs(case, seed=3), dtype)
+    want = tree_attention.tree_attention_reference(*args).float()
+    for splits in (1, 3, None):
+        got = tree_attention.launch_tree_attention(*args, num_splits=splits).float()
+        torch.testing.assert_close(got, want, atol=_TOL[dtype], rtol=_TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        # a Qwen3-8B-sized target layer (32 heads over 8 KV heads of 128), 65-node trees, 2k context
+        tree_cases.TreeCase(4, 64, 15, 32, 8, 128, 16, pages_per_seq=130, vocab=1000, dtype=torch.bfloat16),
+        # a gpt-oss-sized sliding layer with sinks (64 heads over 8 of 64, window 128)
+        tree_cases.TreeCase(
+            2,
+            32,
+            7,
+            64,
+            8,
+            64,
+            16,
+            window=128,
+            sinks=True,
+            pages_per_seq=40,
+            vocab=1000,
+            dtype=torch.bfloat16,
+        ),
+    ],
+    ids=str,
+)
+def test_kernel_real_sizes_in_a_cuda_graph(case):
+    args = _on_cuda(tree_cases.tree_inputs(case, seed=5), case.dtype)
+    want = tree_attention.tree_attention_reference(*args).float()
+    torch.ops.dflash.tree_attention(*args)  # compile outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dflash.tree_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), want, atol=_TOL[case.dtype], rtol=_TOL[case.dtype])
