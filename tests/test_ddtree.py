@@ -137,14 +137,11 @@ def test_seeded_ddtree_sampling_equals_plain_sampling(sampling):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "sampling",
-    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=4, top_p=0.85)],
-    ids=["t1", "topk-topp"],
-)
-def test_ddtree_sampling_preserves_target_distribution(sampling):
+def test_ddtree_sampling_preserves_target_distribution():
     """The full loop (prefill token + one tree round of depth 2) many times with different seeds:
-    the joint distribution of the 3 generated tokens is the target's."""
+    the joint distribution of the 3 generated tokens is the target's (temperature, top-k and top-p
+    together; each alone is held to plain sampling token for token by the seeded test above)."""
+    sampling = SamplingConfig(temperature=0.8, top_k=4, top_p=0.85)
     target = make_target("qwen3", seed=5, vocab=5, layers=4)
     drafter = make_drafter(target, block_size=3, std=0.6, seed=3)
     adapter = HFTarget(target)
