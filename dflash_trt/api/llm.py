@@ -73,7 +73,9 @@ class LLM:
 
     model: `tiny` or a transformers directory. speculative_config: a dict (YAML form) or
     DFlashDecodingConfig with decoding_type 'DFlash', max_draft_len, speculative_model (a z-lab
-    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency.
+    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency, and the dflash-trt
+    extension tree_budget (DDTree nodes per round; 0 = linear DFlash; refused until the engine
+    verifies trees, see spec/tree.py).
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
     enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
@@ -126,6 +128,14 @@ class LLM:
         from dflash_trt.utils.device import resolve_device, resolve_dtype
 
         spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
+        if spec is not None and spec.uses_tree:  # before any weights load
+            raise ConfigError(
+                "speculative_config.tree_budget",
+                spec.tree_budget,
+                "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
+                hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
+                "dflash-trt generate --engine reference --tree-budget 32",
+            )
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
         self.drafter_dir = models.drafter_dir if spec is not None else None

@@ -72,6 +72,7 @@ def run_engine_benchmark(
     modes: tuple[str, ...] = ("ar", "dflash"),
     device: str = "auto",
     dtype: str = "auto",
+    tree_budget: int | str = 0,
     enforce_eager: bool = False,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     warmup: bool = True,
@@ -83,7 +84,9 @@ def run_engine_benchmark(
     from dflash_trt.api.llm import LLM, SamplingParams
     from dflash_trt.models.checkpoint import load_drafter_config
     from dflash_trt.models.sources import resolve_models
+    from dflash_trt.spec.decoding_config import parse_tree_budget
 
+    tree = parse_tree_budget(tree_budget, field_name="tree_budget")  # before any model loads
     models = resolve_models(target, drafter)
     points: list[Point] = []
     config: dict[str, Any] = {
@@ -110,7 +113,9 @@ def run_engine_benchmark(
                 "max_draft_len": b - 1,
                 "speculative_model": str(models.drafter_dir),
             }
-            config["block_size"] = b
+            if tree != 0:
+                spec["tree_budget"] = tree
+            config["block_size"], config["tree_budget"] = b, tree
         llm = LLM(
             str(models.target_dir),
             speculative_config=spec,

@@ -43,9 +43,13 @@ class BuildRequest:
     offline: bool = False
     device: str | None = None  # torch backend: where the embedded engine runs (auto/cpu/cuda)
     no_remote_code: bool = False  # refuse a plan that needs trust_remote_code (builder/remote_code.py)
+    tree_budget: int | str | None = None  # torch backend: DDTree nodes per round (0 = linear), or "auto"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["tree_budget"] is None:  # an extension recorded only when asked for (older manifests lack it)
+            del out["tree_budget"]
+        return out
 
 
 @dataclass

@@ -20,6 +20,7 @@ from dflash_trt.models.dflash_config import (
     parse_dflash_config,
     validate_pair,
 )
+from dflash_trt.spec.decoding_config import parse_tree_budget
 
 QUANT_CHOICES = ("auto", "none", "fp8", "nvfp4")
 KV_CHOICES = ("auto", "fp8")
@@ -65,6 +66,12 @@ def make_plan(req: BuildRequest) -> BuildPlan:
         raise UsageError(
             "--kv-cache-dtype fp8 with --backend torch: the embedded engine keeps its KV cache in the model dtype",
             hint="drop --kv-cache-dtype or use --backend trtllm",
+        )
+    tree = parse_tree_budget(req.tree_budget, field_name="--tree-budget")
+    if tree != 0 and backend == "trtllm":
+        raise UsageError(
+            f"--tree-budget={req.tree_budget}: TensorRT-LLM has no DFlash tree verification (DDTree)",
+            hint="build for the embedded engine with --backend torch, or drop --tree-budget (linear DFlash)",
         )
     if backend == "trtllm":
         check_requested_quant(req, profile)

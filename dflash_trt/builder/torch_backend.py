@@ -17,6 +17,7 @@ from dflash_trt.builder.shapes import (
 from dflash_trt.builder.source import ResolvedPair
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.dflash_config import DFlashConfig
+from dflash_trt.spec.decoding_config import parse_tree_budget
 
 
 def plan_torch(
@@ -60,6 +61,10 @@ def plan_torch(
         "max_num_tokens": limits["max_num_tokens"],
         "max_seq_len": limits["max_seq_len"],
     }
+    tree = parse_tree_budget(req.tree_budget, field_name="--tree-budget")
+    if tree != 0:
+        llm_api["speculative_config"]["tree_budget"] = tree
+        speculative["tree_budget"] = tree
     if has_tokenizer(pair.target):
         llm_api["tokenizer"] = target_rel
     if req.device:

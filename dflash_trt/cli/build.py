@@ -71,6 +71,14 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     default=None,
     help="Runtime block size (<= trained; max_draft_len = B - 1).",
 )
+@click.option(
+    "--tree-budget",
+    metavar="N|auto",
+    default=None,
+    help="torch backend: verify a DDTree of N drafted nodes per round instead of the argmax chain "
+    "(0 = linear DFlash, the default; auto = chosen by the engine from round cost). TensorRT-LLM has no "
+    "tree verification.",
+)
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None)
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None)

@@ -79,6 +79,15 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
     help="embedded: the serving engine's native models; reference: the transformers-based reference "
     "loop (the oracle); auto: embedded when the architecture is supported.",
 )
+@click.option(
+    "--tree-budget",
+    metavar="N",
+    default="0",
+    show_default=True,
+    help="DDTree: verify a tree of N drafted nodes per round, built from the drafter's distributions, "
+    "instead of its argmax chain (0 = linear DFlash). Lossless like linear DFlash. The reference "
+    "loop has it; the embedded engine does not yet.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object on stdout.")
 def generate(
     target: str,
@@ -99,6 +108,7 @@ def generate(
     device: str,
     dtype: str,
     engine: str,
+    tree_budget: str,
     as_json: bool,
 ) -> None:
     """Generate with DFlash speculative decoding (or plain decoding with --no-draft).
@@ -108,6 +118,7 @@ def generate(
       dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64
       dflash-trt generate --target tiny --prompt-ids 5,17,42 --max-new-tokens 32 --json
       dflash-trt generate --target ./qwen3 --drafter ./qwen3-dflash --prompt "Hi" --max-new-tokens 128 --temperature 0.7 --seed 1
+      dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64 --engine reference --tree-budget 32
 
     With --json the output is one object: output_ids (generated ids only), acceptance_lengths
     (per round, bonus token included), text (null without a tokenizer), num_rounds,
@@ -128,6 +139,7 @@ def generate(
     )
     from dflash_trt.reference.generate import spec_generate
     from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.spec.decoding_config import parse_tree_budget
     from dflash_trt.spec.sampling import SamplingConfig
     from dflash_trt.utils.device import resolve_device, resolve_dtype
 
@@ -165,6 +177,11 @@ def generate(
     dev = resolve_device(None if device == "auto" else device)
     dt = resolve_dtype(None if dtype == "auto" else dtype, dev)
     drafting = not no_draft and block_size != 1
+    tree = parse_tree_budget(tree_budget, field_name="--tree-budget")
+    if tree != 0 and not drafting:
+        raise UsageError(
+            f"--tree-budget={tree_budget} needs a drafter", hint="drop --no-draft / --block-size 1"
+        )
     if drafting and models.drafter_dir is None:
         raise UsageError(
             f"no drafter for --target={target!r}", hint="pass --drafter DIR, or --no-draft for plain decoding"
@@ -176,7 +193,18 @@ def generate(
         engine = "embedded" if _embedded_supports(models.target_dir) else "reference"
     if engine == "embedded":
         result = _run_embedded(
-            models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
+            models,
+            tokenizer,
+            ids,
+            sampling,
+            stops,
+            max_new_tokens,
+            block_size,
+            drafting,
+            mask_id,
+            dev,
+            dt,
+            tree,
         )
     else:
         tgt = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)
@@ -193,6 +221,7 @@ def generate(
             sampling=sampling,
             stop_token_ids=stops,
             block_size=block_size,
+            tree_budget=tree,
         )
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else None
     if as_json:
@@ -205,6 +234,8 @@ def generate(
     n = len(result.output_ids)
     tps = (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else float("nan")
     mode = "plain decoding" if result.block_size == 1 else f"DFlash block {result.block_size}"
+    if tree != 0 and result.block_size > 1:
+        mode += f", DDTree {tree} nodes"
     click.echo(
         f"[{mode}] {n} tokens, {result.num_rounds} rounds, mean acceptance length "
         f"{result.mean_acceptance_length:.2f}, ttft {result.ttft_s * 1e3:.1f} ms, "
@@ -226,7 +257,7 @@ def _embedded_supports(target_dir) -> bool:
 
 
 def _run_embedded(
-    models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
+    models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt, tree
 ):
     """One request through the serving engine (native models, paged caches, the same round code)."""
     from dflash_trt.api.llm import LLM, SamplingParams
@@ -247,6 +278,8 @@ def _run_embedded(
         }
         if mask_id is not None:
             spec["mask_token_id"] = mask_id
+        if tree != 0:
+            spec["tree_budget"] = tree
     llm = LLM(
         str(models.target_dir),
         tokenizer=tokenizer,
