@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -92,19 +91,6 @@ def definitions_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-_STAT = re.compile(r"_(mean|p\d+(?:_\d+)?)(?=(_s)?$)")
-
-
-def definition_for(key: str) -> str | None:
-    """The definition of a point key: exact, or of its family (ttft_p90_s -> ttft_s, ..._p50 -> ..._pX)."""
-    if key in DEFINITIONS:
-        return DEFINITIONS[key]
-    for candidate in (_STAT.sub("", key), _STAT.sub("_pX", key), _STAT.sub("", key) + "_s"):
-        if candidate in DEFINITIONS:
-            return DEFINITIONS[candidate]
-    return None
-
-
 @dataclass(slots=True)
 class RawResult:
     """What a client saw for one request (absolute perf_counter times). Filled on the hot path."""
@@ -178,18 +164,6 @@ class RequestRecord:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-    @property
-    def itls(self) -> list[float]:
-        """Per-token intervals (see DEFINITIONS['itl_s']); empty without per-chunk token counts."""
-        if not self.chunk_tokens or not self.chunk_offsets_s:
-            return []
-        out = [0.0] * (self.chunk_tokens[0] - 1)
-        for j in range(1, len(self.chunk_offsets_s)):
-            k = self.chunk_tokens[j]
-            if k > 0:
-                out.extend([(self.chunk_offsets_s[j] - self.chunk_offsets_s[j - 1]) / k] * k)
-        return out
 
     @property
     def icls(self) -> list[float]:

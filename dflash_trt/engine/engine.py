@@ -247,10 +247,6 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._new.empty() or not self._aborts.empty()
 
-    @property
-    def num_active(self) -> int:
-        return self.scheduler.num_active
-
     def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> float:
         """Run throwaway greedy requests to completion so that what is built on first use (the
         compiled round for batch 1 and for larger batches, across page-width growth) is ready

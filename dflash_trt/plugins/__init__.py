@@ -20,7 +20,6 @@ import importlib.util
 from typing import Any
 
 OP_MODULES = ("context_kv", "block_attention", "accept")
-OPS = ("inject_context", "block_attention", "greedy_accept", "rejection_accept")
 
 
 def triton_installed() -> bool:

@@ -51,10 +51,6 @@ class Sample:
     def to_json(self) -> dict[str, Any]:
         return {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "source": self.source}
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Sample:
-        return cls(input_ids=list(d["input_ids"]), loss_mask=list(d["loss_mask"]), source=d.get("source", ""))
-
 
 def _iter_files(root: Path) -> Iterator[Path]:
     for path in sorted(root.rglob("*")):

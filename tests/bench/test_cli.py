@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_trt.cli import cli, main
-from dflash_trt.testing.scripted_server import Script
+from tests.bench.scripted_server import Script
 
 FAST = Script(ttft_s=0.01, chunk_gap_s=0.005, tokens_per_chunk=(4,))
 REPO = Path(__file__).resolve().parents[2]

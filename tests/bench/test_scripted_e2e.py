@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from dflash_trt.bench.sweep import SweepConfig, run_sweep
-from dflash_trt.testing.scripted_server import Script, plan_request
+from tests.bench.scripted_server import Script, plan_request
 
 TTFT, GAP, OSL = 0.06, 0.025, 17
 SCRIPT = Script(ttft_s=TTFT, chunk_gap_s=GAP, first_chunk_tokens=2, tokens_per_chunk=(3, 6), draft_len=7)

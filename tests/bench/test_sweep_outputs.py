@@ -17,7 +17,7 @@ import pytest
 
 from dflash_trt.bench.sweep import SweepConfig, run_sweep
 from dflash_trt.errors import UsageError
-from dflash_trt.testing.scripted_server import Script
+from tests.bench.scripted_server import Script
 
 FAST = Script(ttft_s=0.01, chunk_gap_s=0.005, tokens_per_chunk=(4,))
 REQUIRED_POINT_KEYS = (
