@@ -53,7 +53,7 @@ def plan_torch(
         "model": target_rel,
         "speculative_config": {
             "decoding_type": "DFlash",
-            "max_draft_len": block - 1,
+            "max_draft_len": speculative["max_draft_len"],
             "speculative_model": drafter_rel,
         },
         "max_batch_size": limits["max_batch_size"],

@@ -28,7 +28,7 @@ from dflash_trt.builder.shapes import (
 )
 from dflash_trt.builder.source import ResolvedPair
 from dflash_trt.errors import UsageError
-from dflash_trt.models.dflash_config import DFlashConfig
+from dflash_trt.models.dflash_config import DFlashConfig, max_draft_len_for
 
 TRTLLM_MIN_VERSION = "1.3.0rc (first release with DFlash, TensorRT-LLM PR #12794)"
 TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3"
@@ -300,7 +300,7 @@ def _llm_api_config(
     """TensorRT-LLM's LLM-API arguments (PyTorch backend) with the DFlash speculative config."""
     spec: dict[str, Any] = {
         "decoding_type": "DFlash",
-        "max_draft_len": block - 1,
+        "max_draft_len": max_draft_len_for(block),
         "speculative_model": drafter_ref,
         # TensorRT-LLM fills these from the drafter's config.json only for local directories.
         "mask_token_id": dcfg.mask_token_id,
