@@ -244,6 +244,19 @@ def _accept(
     return int(acc[0]), int(emit[0])
 
 
+@dataclass
+class _Loop:
+    """The state of one generation between rounds."""
+
+    output: list[int]  # generated tokens; the last one is the next round's anchor
+    start: int  # position of the anchor == tokens in the target cache
+    pending: torch.Tensor | None  # [n_pending, K * D] features of positions [start - n_pending, start)
+    finish: str  # "stop" once a stop token is out, else "length"
+    rounds: list[int] = field(default_factory=list)  # tokens each round produced
+    drafted: int = 0
+    accepted: int = 0
+
+
 @torch.inference_mode()
 def spec_generate(
     target: TargetAdapter,
@@ -261,69 +274,69 @@ def spec_generate(
     """
     sampling = sampling or SamplingConfig()
     block_size = _check_request(target, drafter, prompt_ids, max_new_tokens, block_size)
-    device = target.device
     n = len(prompt_ids)
     max_len = n + max_new_tokens
     stop = {int(t) for t in stop_token_ids}
-    sampler = _Sampler.create(sampling, device)
+    sampler = _Sampler.create(sampling, target.device)
     target.reset()
     draft = None
     if drafter is not None and block_size > 1:
         draft = _Draft.open(drafter, target, max_len=max_len, block_size=block_size)
     layer_ids = list(draft.drafter.config.target_layer_ids) if draft is not None else None
-
     # --- prefill: the prompt through the target gives the first token and the first context
     first, feats, ttft = _prefill(target, prompt_ids, layer_ids, sampler)
-
-    output = [first]
-    rounds: list[int] = []
-    drafted = accepted_total = 0
-    start = n  # position of the current anchor == tokens in the target cache
-    pending = feats  # [n_pending, K * D] features of positions [start - n_pending, start)
-    finish = "stop" if first in stop else "length"
+    loop = _Loop(output=[first], start=n, pending=feats, finish="stop" if first in stop else "length")
     t1 = time.perf_counter()
-    while start + 1 < max_len and finish != "stop":
-        # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
-        size = min(block_size, max_len - start)
-        block = torch.full(
-            (1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device
-        )
-        block[0, 0] = output[-1]
-        draft_probs = None
-        if size > 1:
-            assert draft is not None and pending is not None
-            draft_probs = draft.propose(block, pending, start, sampler)
-            drafted += size - 1
-        # --- verify: one target forward over the whole block
-        logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
-        # --- accept: a matching drafts, then the target's own token after them (a + 1 tokens)
-        a, token = _accept(block, logits, draft_probs, start, sampler)
-        accepted_total += a
-        new_tokens = [*block[0, 1 : a + 1].tolist(), token]
-        # never past max_new_tokens; a stop token ends the round and the request
-        new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
-        if stopped:
-            finish = "stop"
-        produced = len(new_tokens)
-        output.extend(new_tokens)
-        # --- commit: the target cache keeps [0, start); the features of the produced positions
-        # (anchor first) go into the draft cache at the next round's injection
-        start += produced
-        target.crop(start)
-        if layer_ids is not None:
-            pending = feats[:produced] if feats is not None else None
-        rounds.append(produced)
-        assert 1 <= produced <= size and target.cache_length == start
-    _sync(device)
+    while loop.start + 1 < max_len and loop.finish != "stop":
+        size = min(block_size, max_len - loop.start)
+        _round(loop, target, draft, sampler, size=size, max_len=max_len, stop=stop, layer_ids=layer_ids)
+    _sync(target.device)
     decode = time.perf_counter() - t1
-    assert sum(rounds) == len(output) - 1
+    assert sum(loop.rounds) == len(loop.output) - 1
     return GenerationResult(
-        output_ids=output,
-        acceptance_lengths=rounds,
+        output_ids=loop.output,
+        acceptance_lengths=loop.rounds,
         ttft_s=ttft,
         decode_s=decode,
-        finish_reason=finish,
-        num_draft_tokens=drafted,
-        num_accepted_draft_tokens=accepted_total,
+        finish_reason=loop.finish,
+        num_draft_tokens=loop.drafted,
+        num_accepted_draft_tokens=loop.accepted,
         block_size=block_size,
     )
+
+
+def _round(
+    loop: _Loop, target: TargetAdapter, draft: _Draft | None, sampler: _Sampler, *, size: int, max_len: int,
+    stop: set[int], layer_ids: list[int] | None,
+) -> None:  # fmt: skip
+    """One round of `size` block slots: draft, verify, accept, commit."""
+    start = loop.start
+    # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
+    mask = draft.drafter.mask_token_id if draft is not None else 0
+    block = torch.full((1, size), mask, dtype=torch.long, device=sampler.device)
+    block[0, 0] = loop.output[-1]
+    draft_probs = None
+    if size > 1:
+        assert draft is not None and loop.pending is not None
+        draft_probs = draft.propose(block, loop.pending, start, sampler)
+        loop.drafted += size - 1
+    # --- verify: one target forward over the whole block
+    logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
+    # --- accept: a matching drafts, then the target's own token after them (a + 1 tokens)
+    a, token = _accept(block, logits, draft_probs, start, sampler)
+    loop.accepted += a
+    new_tokens = [*block[0, 1 : a + 1].tolist(), token]
+    # never past max_new_tokens; a stop token ends the round and the request
+    new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
+    if stopped:
+        loop.finish = "stop"
+    produced = len(new_tokens)
+    loop.output.extend(new_tokens)
+    # --- commit: the target cache keeps [0, start); the features of the produced positions
+    # (anchor first) go into the draft cache at the next round's injection
+    loop.start = start + produced
+    target.crop(loop.start)
+    if layer_ids is not None:
+        loop.pending = feats[:produced] if feats is not None else None
+    loop.rounds.append(produced)
+    assert 1 <= produced <= size and target.cache_length == loop.start
