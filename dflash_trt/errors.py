@@ -60,4 +60,10 @@ class EnvironmentMissing(DFlashTrtError):
 
 
 class RequestError(UsageError):
-    """A single request has bad parameters; the engine keeps serving others."""
+    """A single request has bad parameters; the engine keeps serving others. `field` names the
+    request field at fault (`max_tokens`, `prompt`, `temperature`, ...), when one is: the fronts
+    report it as such (the OpenAI front's `param`), never by searching the message."""
+
+    def __init__(self, message: str, *, field: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.field = field

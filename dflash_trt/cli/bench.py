@@ -317,57 +317,61 @@ def sweep(ctx: click.Context, **kwargs: Any) -> None:
       dflash-trt bench sweep --spec bench/sweeps/tiny-dflash-vs-ar.yaml --only AR
     """
     runs = _resolve_runs(ctx, kwargs)
-    from dflash_trt.bench.sweep import SweepConfig, run_sweep
+    from dflash_trt.bench.sweep import SweepConfig
 
     configs = [SweepConfig(**r) for r in runs]
     for cfg in configs:
         cfg.validate()
     if kwargs["dry_run"]:
-        plan = [
-            {
-                "label": c.label,
-                "out": c.out,
-                "fingerprint": c.fingerprint(),
-                "config": c.to_json(),
-                "points": [
-                    {
-                        "key": p.key,
-                        "num_requests": p.num_requests,
-                        "duration_s": p.duration_s,
-                        "warmup": p.warmup,
-                    }
-                    for p in c.points()
-                ],
-            }
-            for c in configs
-        ]
-        click.echo(json.dumps({"runs": plan}, indent=2))
+        click.echo(json.dumps({"runs": [_dry_run(c) for c in configs]}, indent=2))
         return
     progress = kwargs["progress"]
     if progress is None:
         progress = sys.stderr.isatty()
     as_json = kwargs["as_json"]
-    summaries = []
-    for cfg in configs:
-        name = cfg.label or cfg.out
-
-        def show(p: dict[str, Any], name: str = name) -> None:
-            if not as_json:
-                click.echo(_point_line(name, p))
-
-        try:
-            summaries.append(run_sweep(cfg, overwrite=kwargs["overwrite"], progress=progress, on_point=show))
-        except KeyboardInterrupt:
-            done = _count_points(cfg.out)
-            click.echo(
-                f"interrupted: {done} completed point(s) kept in {cfg.out}; run the same command again to resume",
-                err=True,
-            )
-            raise
-        if not as_json:
-            click.echo(f"[{name}] wrote {cfg.out}/summary.json, requests.jsonl, points.csv")
+    summaries = [
+        _run_one(cfg, overwrite=kwargs["overwrite"], progress=progress, as_json=as_json) for cfg in configs
+    ]
     if as_json:
         click.echo(json.dumps({"runs": summaries}, default=str))
+
+
+def _dry_run(c: Any) -> dict[str, Any]:
+    """What --dry-run prints for one run: its resolved configuration and points."""
+    return {
+        "label": c.label,
+        "out": c.out,
+        "fingerprint": c.fingerprint(),
+        "config": c.to_json(),
+        "points": [
+            {"key": p.key, "num_requests": p.num_requests, "duration_s": p.duration_s, "warmup": p.warmup}
+            for p in c.points()
+        ],
+    }
+
+
+def _run_one(cfg: Any, *, overwrite: bool, progress: bool, as_json: bool) -> dict[str, Any]:
+    """One run (a line per point as it completes, unless --json); Ctrl-C says what was kept."""
+    from dflash_trt.bench.sweep import run_sweep
+
+    name = cfg.label or cfg.out
+
+    def show(p: dict[str, Any]) -> None:
+        if not as_json:
+            click.echo(_point_line(name, p))
+
+    try:
+        summary = run_sweep(cfg, overwrite=overwrite, progress=progress, on_point=show)
+    except KeyboardInterrupt:
+        done = _count_points(cfg.out)
+        click.echo(
+            f"interrupted: {done} completed point(s) kept in {cfg.out}; run the same command again to resume",
+            err=True,
+        )
+        raise
+    if not as_json:
+        click.echo(f"[{name}] wrote {cfg.out}/summary.json, requests.jsonl, points.csv")
+    return summary
 
 
 def _count_points(out: str) -> int:

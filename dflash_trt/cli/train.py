@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
@@ -189,31 +190,34 @@ def train_drafter(**opts: object) -> None:
     opts["regen_prompt_len"] = _prompt_len(str(opts["regen_prompt_len"]))
     cfg = TrainConfig(**opts)  # type: ignore[arg-type]
     tty = sys.stderr.isatty()
+    result = run(cfg, progress=tty, report=None if tty else _report_line)
+    _print_result(result, as_json=as_json)
 
-    def report(entry: dict) -> None:
-        if tty:
-            return
-        if entry.get("phase") == "regenerate":
-            click.echo(f"regenerate {entry['done']}/{entry['total']}", err=True)
-        else:
-            click.echo(
-                f"step {entry['step']}/{entry['total']} loss {entry['loss']:.4f} "
-                f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e} ({entry['elapsed_s']:.0f} s)",
-                err=True,
-            )
 
-    result = run(cfg, progress=tty, report=report)
+def _report_line(entry: dict) -> None:
+    """One stderr line per report when stderr is not a terminal (no progress bars then)."""
+    if entry.get("phase") == "regenerate":
+        click.echo(f"regenerate {entry['done']}/{entry['total']}", err=True)
+    else:
+        click.echo(
+            f"step {entry['step']}/{entry['total']} loss {entry['loss']:.4f} "
+            f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e} ({entry['elapsed_s']:.0f} s)",
+            err=True,
+        )
+
+
+def _print_result(result: Any, *, as_json: bool) -> None:
     ev = result.eval
-    summary = {
-        "out": str(result.out),
-        "steps": result.steps,
-        "final_loss": result.final_loss,
-        "tau": ev["tau"] if ev else None,
-        "tau_pooled": ev["tau_pooled"] if ev else None,
-        "eval_prompts": ev["num_prompts"] if ev else 0,
-        "seconds": round(result.seconds, 1),
-    }
     if as_json:
+        summary = {
+            "out": str(result.out),
+            "steps": result.steps,
+            "final_loss": result.final_loss,
+            "tau": ev["tau"] if ev else None,
+            "tau_pooled": ev["tau_pooled"] if ev else None,
+            "eval_prompts": ev["num_prompts"] if ev else 0,
+            "seconds": round(result.seconds, 1),
+        }
         sys.stdout.write(json.dumps(summary) + "\n")
         return
     tau = (

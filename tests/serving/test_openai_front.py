@@ -206,7 +206,8 @@ BAD_COMPLETIONS = [
     ({"seed": -3}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
-    ({"extra_body": {"min_tokens": 50}}, "min_tokens"),
+    ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
+    ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),  # outside the vocabulary
     ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
     ({"extra_body": {"stop_token_ids": ["a"]}}, "stop_token_ids"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
@@ -223,6 +224,7 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ({"max_tokens": None, "max_completion_tokens": 5000}, "max_completion_tokens"),  # the engine's limit
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
     (
@@ -260,6 +262,16 @@ def test_chat_errors_are_400_naming_the_field(client, kwargs, param) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**body)
     assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+
+
+def test_the_engine_decides_what_values_mean(client) -> None:
+    """The front checks the protocol only; values the engine accepts are served as it serves them."""
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=2.5, seed=1,
+                                  stop=[f"<{i}>" for i in range(17)])  # fmt: skip
+    assert r.usage.completion_tokens >= 1
+    # min_tokens beyond max_tokens: the length limit wins (the engine's rule)
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"min_tokens": 50})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
 
 
 def test_raw_http_errors_and_the_server_keeps_serving(served, client) -> None:
