@@ -39,6 +39,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    n = int(config.getoption("--busy"))
+    return f"timing tests run beside {n} busy processes (--busy {n})" if n > 0 else None
+
+
 @pytest.fixture
 def update_goldens(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-goldens"))

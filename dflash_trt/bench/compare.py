@@ -187,51 +187,50 @@ def _f(v: Any, fmt: str = "{:.3g}") -> str:
     return str(v)
 
 
+def _cost_cells(row: dict[str, Any], money: bool) -> str:
+    """The $/Mtok columns of a row (with --gpu-hour-usd)."""
+    return (
+        f" {_f(row['cost_per_mtok_a'], '{:.4g}'):>9} {_f(row['cost_per_mtok_b'], '{:.4g}'):>9}"
+        if money
+        else ""
+    )
+
+
+def _table(lines: list[str], title: str, head: str, rows: list[str], empty: str) -> None:
+    lines += ["", title]
+    lines += [head, *rows] if rows else [empty]
+
+
 def format_text(r: dict[str, Any]) -> str:
     x, y = r["x"], r["y"]
     lines = [f"A = {r['a']}   B = {r['b']}   x = {x}   y = {y}"]
     money = r.get("gpu_hour_usd") is not None
-    lines.append("")
-    lines.append(f"At matched interactivity (speedup = A/B {y}):")
-    if r["iso_interactivity"]:
-        head = f"  {'tok/s/user':>11} {'A':>11} {'B':>11} {'speedup':>8}" + (
-            f" {'$/Mtok A':>9} {'$/Mtok B':>9}" if money else ""
-        )
-        lines.append(head)
-        for row in r["iso_interactivity"]:
-            s = f"  {_f(row[x]):>11} {_f(row[f'{y}_a']):>11} {_f(row[f'{y}_b']):>11} {_f(row['speedup'], '{:.2f}x'):>8}"
-            if money:
-                s += f" {_f(row['cost_per_mtok_a'], '{:.4g}'):>9} {_f(row['cost_per_mtok_b'], '{:.4g}'):>9}"
-            lines.append(s)
-    else:
-        lines.append("  the two frontiers share no interactivity range")
-    lines.append("")
-    lines.append(f"At matched throughput (ratio = A/B {x}):")
-    if r["iso_throughput"]:
-        lines.append(f"  {'tok/s/GPU':>11} {'A':>11} {'B':>11} {'ratio':>8}")
-        for row in r["iso_throughput"]:
-            lines.append(
-                f"  {_f(row[y]):>11} {_f(row[f'{x}_a']):>11} {_f(row[f'{x}_b']):>11} {_f(row['interactivity_ratio'], '{:.2f}x'):>8}"
-            )
-    else:
-        lines.append("  the two frontiers share no throughput range")
-    lines.append("")
-    lines.append("Per concurrency:")
-    if r["per_concurrency"]:
-        head = f"  {'conc':>5} {'tput A/B':>9} {'user A/B':>9} {'tau A':>6} {'tau B':>6}" + (
-            f" {'$/Mtok A':>9} {'$/Mtok B':>9}" if money else ""
-        )
-        lines.append(head)
-        for row in r["per_concurrency"]:
-            s = (
-                f"  {row['concurrency']:>5} {_f(row['throughput_ratio'], '{:.2f}x'):>9} {_f(row['interactivity_ratio'], '{:.2f}x'):>9}"
-                f" {_f(row['mean_acceptance_length_a'], '{:.2f}'):>6} {_f(row['mean_acceptance_length_b'], '{:.2f}'):>6}"
-            )
-            if money:
-                s += f" {_f(row['cost_per_mtok_a'], '{:.4g}'):>9} {_f(row['cost_per_mtok_b'], '{:.4g}'):>9}"
-            lines.append(s)
-    else:
-        lines.append("  no concurrency measured by both runs")
+    cost_head = f" {'$/Mtok A':>9} {'$/Mtok B':>9}" if money else ""
+    _table(
+        lines,
+        f"At matched interactivity (speedup = A/B {y}):",
+        f"  {'tok/s/user':>11} {'A':>11} {'B':>11} {'speedup':>8}" + cost_head,
+        [f"  {_f(row[x]):>11} {_f(row[f'{y}_a']):>11} {_f(row[f'{y}_b']):>11} {_f(row['speedup'], '{:.2f}x'):>8}"
+         + _cost_cells(row, money) for row in r["iso_interactivity"]],
+        "  the two frontiers share no interactivity range",
+    )  # fmt: skip
+    _table(
+        lines,
+        f"At matched throughput (ratio = A/B {x}):",
+        f"  {'tok/s/GPU':>11} {'A':>11} {'B':>11} {'ratio':>8}",
+        [f"  {_f(row[y]):>11} {_f(row[f'{x}_a']):>11} {_f(row[f'{x}_b']):>11} {_f(row['interactivity_ratio'], '{:.2f}x'):>8}"
+         for row in r["iso_throughput"]],
+        "  the two frontiers share no throughput range",
+    )  # fmt: skip
+    _table(
+        lines,
+        "Per concurrency:",
+        f"  {'conc':>5} {'tput A/B':>9} {'user A/B':>9} {'tau A':>6} {'tau B':>6}" + cost_head,
+        [f"  {row['concurrency']:>5} {_f(row['throughput_ratio'], '{:.2f}x'):>9} {_f(row['interactivity_ratio'], '{:.2f}x'):>9}"
+         f" {_f(row['mean_acceptance_length_a'], '{:.2f}'):>6} {_f(row['mean_acceptance_length_b'], '{:.2f}'):>6}"
+         + _cost_cells(row, money) for row in r["per_concurrency"]],
+        "  no concurrency measured by both runs",
+    )  # fmt: skip
     lines.append("")
     c = r["crossover_concurrency"]
     lines.append(

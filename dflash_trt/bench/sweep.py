@@ -49,6 +49,7 @@ from dflash_trt.bench.metrics import (
 )
 from dflash_trt.bench.workload import PromptSource, WorkloadSpec, load_tokenizer
 from dflash_trt.errors import UsageError
+from dflash_trt.utils.io import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -316,12 +317,11 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
         "points": [],
     }
     if path.is_file() and not overwrite:
-        try:
-            old = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(
-                f"--out={out}: {path} is unreadable ({exc})", hint="pass a new --out, or --overwrite"
-            ) from exc
+        old = read_json_object(
+            path,
+            lambda problem: UsageError(f"--out={out}: {path} is unreadable: it {problem}",
+                                       hint="pass a new --out, or --overwrite"),
+        )  # fmt: skip
         if old.get("fingerprint") != fresh["fingerprint"]:
             old_cfg = old.get("config") or {}
             new_cfg = cfg.fingerprint_fields()

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from dflash_trt.cli.options import device_option, dtype_option
 from dflash_trt.errors import UsageError
 
 
@@ -66,14 +67,8 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
 )
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at eos; generate exactly --max-new-tokens.")
 @click.option("--chat", is_flag=True, help="Wrap --prompt in the tokenizer's chat template (thinking off).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "auto"]),
-    default="auto",
-    show_default=True,
-    help="auto: float32 on CPU, bfloat16 on CUDA.",
-)
+@device_option()
+@dtype_option("auto: float32 on CPU, bfloat16 on CUDA.")
 @click.option(
     "--engine",
     type=click.Choice(["auto", "embedded", "reference"]),
@@ -187,15 +182,9 @@ def _tokenize(prompt: str, tokenizer: Any | None, *, chat: bool, where: Path) ->
         )
     if not chat:
         return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    return list(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
-            enable_thinking=False,
-            return_dict=False,
-        )
-    )
+    from dflash_trt.models.sources import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def _mask_id(target: str, models: Any, tokenizer: Any | None, *, drafting: bool) -> int | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from dflash_trt.cli.options import device_option, dtype_option
 from dflash_trt.errors import UsageError
 
 
@@ -154,14 +155,8 @@ def _prompt_len(value: str) -> tuple[int, int]:
     show_default=True,
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "auto"]),
-    default="auto",
-    show_default=True,
-    help="Target dtype (auto: float32 on CPU, bfloat16 on CUDA, with autocast for the drafter).",
-)
+@device_option()
+@dtype_option("Target dtype (auto: float32 on CPU, bfloat16 on CUDA, with autocast for the drafter).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 def train_drafter(**opts: object) -> None:

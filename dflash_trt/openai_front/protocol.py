@@ -258,15 +258,23 @@ def _max_tokens(gen: Generation, key: str, value: Any) -> None:
     gen.max_tokens_param = key
 
 
+def _begin(body: Any, served: list[str], *, kind: str) -> tuple[dict[str, Any], Generation]:
+    """The body as an object of the endpoint's keys, and a Generation with the fields both share."""
+    body = _object(body)
+    if kind == "chat":
+        _check_keys(body, _CHAT_KEYS, "/v1/chat/completions")
+    else:
+        _check_keys(body, _COMPLETIONS_KEYS, "/v1/completions")
+    gen = Generation(kind=kind, model="")
+    _common(body, gen, served)
+    return body, gen
+
+
 def parse_completions(body: Any, served: list[str]) -> Generation:
     """POST /v1/completions."""
-    body = _object(body)
-    _check_keys(body, _COMPLETIONS_KEYS, "/v1/completions")
-    gen = Generation(kind="completions", model="")
-    _common(body, gen, served)
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, 0):
-        raise bad("logprobs", logprobs, "log-probabilities are not computed", "omit logprobs")
+    body, gen = _begin(body, served, kind="completions")
+    if body.get("logprobs") not in (None, 0):
+        raise bad("logprobs", body.get("logprobs"), "log-probabilities are not computed", "omit logprobs")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -288,13 +296,14 @@ def parse_completions(body: Any, served: list[str]) -> Generation:
 
 def parse_chat(body: Any, served: list[str]) -> Generation:
     """POST /v1/chat/completions (the prompt text is rendered later by the chat template)."""
-    body = _object(body)
-    _check_keys(body, _CHAT_KEYS, "/v1/chat/completions")
-    gen = Generation(kind="chat", model="")
-    _common(body, gen, served)
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False):
-        raise bad("logprobs", logprobs, "log-probabilities are not computed", "omit logprobs or send false")
+    body, gen = _begin(body, served, kind="chat")
+    if body.get("logprobs") not in (None, False):
+        raise bad(
+            "logprobs",
+            body.get("logprobs"),
+            "log-probabilities are not computed",
+            "omit logprobs or send false",
+        )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", fmt, "structured output is not supported",

@@ -103,6 +103,9 @@ class Script:
     # Hold every schedule until this many requests have arrived (0 = off): a wave of N requests is
     # then all in flight at once, whatever the load on the machine.
     start_together: int = 0
+    # Hold the N-th request (1-based) and every later one until release_held() (0 = off): a test
+    # can interrupt a client while it certainly waits on the server.
+    hold_from: int = 0
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -111,8 +114,8 @@ class Script:
             raise ValueError("first_chunk_tokens and every tokens_per_chunk entry must be >= 1")
         if self.ttft_s < 0 or self.chunk_gap_s < 0:
             raise ValueError("ttft_s and chunk_gap_s must be >= 0")
-        if self.fail_every < 0 or self.start_together < 0 or self.draft_len < 0:
-            raise ValueError("fail_every, start_together and draft_len must be >= 0")
+        if min(self.fail_every, self.start_together, self.hold_from, self.draft_len) < 0:
+            raise ValueError("fail_every, start_together, hold_from and draft_len must be >= 0")
 
     def declared_inputs(self) -> dict[str, str]:
         inputs = dict(_NVIDIA_INPUTS)
@@ -217,9 +220,13 @@ class ScriptedServer:
         self.http_url = ""
         self.grpc_url: str | None = None
         self._gate: asyncio.Event | None = None  # set once start_together requests have arrived
+        self._held: asyncio.Event | None = None  # set by release_held()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._held = asyncio.Event()
         self._gate = asyncio.Event()
         if self.script.start_together <= 1:
             self._gate.set()
@@ -284,12 +291,22 @@ class ScriptedServer:
     def _fails(self, n: int) -> bool:
         return self.script.fail_every > 0 and n % self.script.fail_every == 0
 
-    async def _schedule(self, plan: Plan, t0: float, *, fail: bool) -> AsyncIterator[int]:
-        """Yield response indices at their scheduled times (absolute deadlines: no drift)."""
+    def release_held(self) -> None:
+        """Let held requests (Script.hold_from) go on, and stop holding. Thread-safe."""
+        assert self._loop is not None and self._held is not None
+        self._loop.call_soon_threadsafe(self._held.set)
+
+    async def _schedule(self, plan: Plan, t0: float, *, fail: bool, n: int) -> AsyncIterator[int]:
+        """Yield response indices at their scheduled times (absolute deadlines: no drift) for the
+        n-th request."""
         loop = asyncio.get_running_loop()
-        if self._gate is not None and not self._gate.is_set():
-            await self._gate.wait()
-            t0 = loop.time()  # the schedule starts when the wave is complete
+        for wait, event in (
+            (self.script.hold_from and n >= self.script.hold_from, self._held),
+            (True, self._gate),
+        ):
+            if wait and event is not None and not event.is_set():
+                await event.wait()
+                t0 = loop.time()  # the schedule starts when the request is let go
         for i, offset in enumerate(plan.offsets_s):
             delay = t0 + offset - loop.time()
             if delay > 0:
@@ -398,9 +415,8 @@ class ScriptedServer:
         return web.Response(status=200 if request.match_info["model"] == self.model else 400)
 
     async def _triton_http(self, request: web.Request, *, stream: bool) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        arrival_ns = time.monotonic_ns()
+        arrival_ns = time.monotonic_ns()  # before t0: first_ns - arrival_ns is never below ttft_s
+        t0 = asyncio.get_running_loop().time()
         name = request.match_info["model"]
         if name != self.model:
             return self._unknown_model(name)
@@ -421,7 +437,7 @@ class ScriptedServer:
             first_ns = 0
             if not streaming:
                 try:
-                    async for _ in self._schedule(plan, t0, fail=fail):
+                    async for _ in self._schedule(plan, t0, fail=fail, n=n):
                         first_ns = first_ns or time.monotonic_ns()
                 except _RequestFailed as exc:
                     return web.json_response({"error": str(exc)}, status=500)
@@ -444,7 +460,7 @@ class ScriptedServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             try:
-                async for i in self._schedule(plan, t0, fail=fail):
+                async for i in self._schedule(plan, t0, fail=fail, n=n):
                     now_ns = time.monotonic_ns()
                     first_ns = first_ns or now_ns
                     outputs = self._triton_outputs(
@@ -503,7 +519,7 @@ class ScriptedServer:
     async def _openai_whole(self, reply: _OpenAIReply, plan: Plan, t0: float, *, fail: bool) -> web.Response:
         """A non-streamed answer: everything at the time of the last chunk."""
         try:
-            async for _ in self._schedule(plan, t0, fail=fail):
+            async for _ in self._schedule(plan, t0, fail=fail, n=reply.n):
                 pass
         except _RequestFailed as exc:
             return web.json_response({"error": {"message": str(exc), "code": 500}}, status=500)
@@ -522,7 +538,7 @@ class ScriptedServer:
             await send(reply.role_chunk())
         try:
             done = 0
-            async for i in self._schedule(plan, t0, fail=fail):
+            async for i in self._schedule(plan, t0, fail=fail, n=reply.n):
                 done += plan.chunks[i]
                 await send(reply.chunk(done - plan.chunks[i], done, last=i == len(plan.chunks) - 1))
             if reply.usage_on:
@@ -539,6 +555,7 @@ class _OpenAIReply:
 
     def __init__(self, server: ScriptedServer, body: dict[str, Any], *, chat: bool, n: int) -> None:
         self.model = server.model
+        self.n = n  # the request's number at the server (1-based)
         self.chat = chat
         self.max_tokens = int(body.get("max_tokens") or 16)
         self.obj = "chat.completion.chunk" if chat else "text_completion"
@@ -675,9 +692,8 @@ class _GrpcService:
 
     async def _one(self, request: Any, queue: asyncio.Queue[Any]) -> None:
         server = self.server
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        arrival_ns = time.monotonic_ns()
+        arrival_ns = time.monotonic_ns()  # before t0: first_ns - arrival_ns is never below ttft_s
+        t0 = asyncio.get_running_loop().time()
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param
         if request.model_name != server.model:
             await queue.put(
@@ -703,7 +719,7 @@ class _GrpcService:
             first_ns = 0
             try:
                 last = len(plan.chunks) - 1
-                async for i in server._schedule(plan, t0, fail=fail):
+                async for i in server._schedule(plan, t0, fail=fail, n=n):
                     now_ns = time.monotonic_ns()
                     first_ns = first_ns or now_ns
                     if not streaming and i < last:

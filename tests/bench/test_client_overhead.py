@@ -38,4 +38,4 @@ def test_sustains_256_concurrent_streams_with_exact_token_counts() -> None:
     assert r["output_tokens_total"] == measured * OSL
     assert r["tokens_per_chunk_hist"] == {"1": measured, "3": measured, "4": 7 * measured}
     assert r["ttft_p50_s"] >= TTFT  # a schedule is never early, however loaded the machine
-    assert r["tpot_p50_s"] > 0 and r["client_cpu_us_per_output_token"] > 0
+    assert r["client_cpu_us_per_output_token"] > 0

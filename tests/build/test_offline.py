@@ -70,6 +70,15 @@ def timed_run(cmd: list[str], env: dict[str, str], tmp_path: Path):
     return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text()), wall, queued
 
 
+def queued_s() -> float:
+    """Seconds this thread has waited on a CPU run queue so far (0 without schedstat): time other
+    jobs held the CPUs, which a bound on waiting for the network must leave out."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
 def shipped_config(repo: str) -> dict:
     return json.loads((SHIPPED / repo.replace("/", "--") / "config.json").read_text())
 
@@ -103,6 +112,7 @@ QUICKSTART_MODES = {
 }
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_quickstart_plans_offline_equal_the_goldens_in_under_5s(name, tmp_path):
     mode = QUICKSTART_MODES[name]
@@ -179,6 +189,7 @@ def _assert_fix_lists_every_option(line: str) -> None:
         assert option in fix, (option, line)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("kind", ["refused", "silent", "dns"])
 def test_unreachable_hub_is_named_within_about_2s(kind, monkeypatch, cli):
     silent = Silent()
@@ -193,10 +204,10 @@ def test_unreachable_hub_is_named_within_about_2s(kind, monkeypatch, cli):
         monkeypatch.setenv("HF_ENDPOINT", "http://hub.dflash-trt.invalid")
         cause = "DNS lookup failed for hub.dflash-trt.invalid"
     try:
-        t0 = time.monotonic()
+        t0, q0 = time.monotonic(), queued_s()
         # qwen3-4b is registered but has no shipped config: nothing to fall back on
         code, out, err = cli(["build", "--target", "qwen3-4b", "--gpu", "h100", "--dry-run"])
-        elapsed = time.monotonic() - t0
+        elapsed = time.monotonic() - t0 - (queued_s() - q0)
     finally:
         if kind == "silent":
             silent.__exit__()
@@ -204,7 +215,7 @@ def test_unreachable_hub_is_named_within_about_2s(kind, monkeypatch, cli):
     assert code == 1 and out == ""
     assert line.startswith("error: cannot reach the Hub mirror HF_ENDPOINT=") and cause in line, line
     _assert_fix_lists_every_option(line)
-    assert elapsed < 3.5, f"{kind}: named after {elapsed:.2f} s"
+    assert elapsed < 3.5, f"{kind}: named after {elapsed:.2f} s (waits for a CPU left out)"
 
 
 @pytest.mark.parametrize(
@@ -363,6 +374,7 @@ def test_written_manifest_says_which_configs_the_plan_used(tmp_path, cli):
         )
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("mode", ["refused", "--offline"])
 def test_a_build_that_needs_weights_names_the_missing_network_at_once(mode, monkeypatch, tmp_path, cli):
     """Planning fell back on the shipped configs; quantizing needs the weights: the writer says so
@@ -373,10 +385,10 @@ def test_a_build_that_needs_weights_names_the_missing_network_at_once(mode, monk
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     else:
         args.append("--offline")
-    t0 = time.monotonic()
+    t0, q0 = time.monotonic(), queued_s()
     rc, _, err = cli(["build", *args])
     line = one_line_error(err)
-    assert rc == 1 and time.monotonic() - t0 < 5
+    assert rc == 1 and time.monotonic() - t0 - (queued_s() - q0) < 5  # no huggingface_hub retries
     if mode == "refused":
         mirror = f"HF_ENDPOINT=http://127.0.0.1:{port}"
         assert (

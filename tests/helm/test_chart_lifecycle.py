@@ -23,7 +23,7 @@ import pytest
 from helm_support import CHART_DIR, load_value_set
 
 from dflash_trt import deploy
-from tests.serving.conftest import build_bundle, free_ports
+from tests.serving.conftest import HANG_S, build_bundle, eventually, free_ports
 
 pytestmark = [pytest.mark.helm, pytest.mark.triton_server]
 
@@ -74,6 +74,7 @@ def _sse(url: str, body: dict, into: list) -> None:
         into.append(repr(exc))
 
 
+@pytest.mark.timing
 def test_liveness_probe_fails_once_the_stub_is_wedged_or_killed(chart_server):
     server, _, container, control = chart_server
     script = container["livenessProbe"]["exec"]["command"][2].replace(CONTROL, str(control))
@@ -95,18 +96,15 @@ def test_liveness_probe_fails_once_the_stub_is_wedged_or_killed(chart_server):
         assert out.returncode == 1 and "heartbeat is stale" in out.stderr, out.stderr
     finally:
         os.kill(stub, signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while probe().returncode != 0:  # beating again
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    eventually(lambda: probe().returncode == 0, "the heartbeat beating again", every=0.2)
     os.kill(stub, signal.SIGKILL)
-    time.sleep(0.2)
     # Triton itself still answers live (the defect the probe works around)
     assert httpx.get(f"{server.http_url}/v2/health/live", timeout=5).status_code == 200
-    out = probe()
-    assert out.returncode == 1 and "no live triton_python_backend_stub" in out.stderr
+    out = eventually(lambda: (o := probe()).returncode == 1 and o, "the probe failing on the dead stub")
+    assert "no live triton_python_backend_stub" in out.stderr
 
 
+@pytest.mark.timing
 def test_prestop_drains_then_sigterm_exits_0(tmp_path):
     from dflash_trt.triton.server import TritonServer
 
@@ -137,16 +135,12 @@ def test_prestop_drains_then_sigterm_exits_0(tmp_path):
         ]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while not all(streams.values()) or streams[0][-1].get("finish_reason") != "length":
-            assert time.monotonic() < deadline, streams
-            time.sleep(0.01)
+        eventually(lambda: all(streams.values()) and streams[0][-1].get("finish_reason") == "length",
+                   "every stream started and the short one finished", every=0.01)  # fmt: skip
         script = container["lifecycle"]["preStop"]["exec"]["command"][2].replace(CONTROL, str(control))
-        t0 = time.monotonic()
-        hook = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=60)
-        hook_s = time.monotonic() - t0
+        hook = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=HANG_S)
         assert hook.returncode == 0, hook.stderr
-        assert (control / "drained").exists() and hook_s < 10, hook_s
+        assert (control / "drained").exists()  # the hook returned once the model had drained
         refused = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm/generate",
                              json={"text_input": "late", "sampling_param_max_tokens": 2}, timeout=10)  # fmt: skip
         # the model answers UNAVAILABLE; Triton 2.51's generate endpoints turn every model error into 400

@@ -481,9 +481,7 @@ class TritonPythonModel:
             flags[name] = bool(v.reshape(-1)[0])
         for name in ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source"):
             if self._read(request, name) is not None:
-                raise RequestInputError(
-                    f"{name} is not supported (text-only model, no LoRA adapters)", field=name
-                )
+                raise RequestInputError(f"{name} is not supported (text-only, no LoRA adapters)", field=name)
         if flags.get("return_cumulative_logprob"):
             raise RequestInputError(
                 "return_cumulative_logprob is not supported (no log-probabilities are computed)"
