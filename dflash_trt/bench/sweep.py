@@ -330,7 +330,9 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
                 f"--out={out} holds a run with another configuration ({'; '.join(diff[:6]) or 'fingerprint differs'})",
                 hint="pass a new --out, or --overwrite to discard the old run",
             )
-        kept = {k: old[k] for k in ("created_at", "environment", "server", "workload") if k in old}
+        kept: dict[str, Any] = {
+            k: old[k] for k in ("created_at", "environment", "server", "workload") if k in old
+        }
         state = RunState(out=out, summary={**fresh, **kept})
         state.done = {
             p["key"]: p for p in old.get("points", []) if p.get("fingerprint") == fresh["fingerprint"]
