@@ -286,20 +286,24 @@ class LLM:
             if len(keys) != 1:
                 raise RequestError(
                     f"prompt dict with keys {sorted(inputs)} must have exactly one of "
-                    "'prompt' (text) or 'prompt_token_ids' (token ids)"
+                    "'prompt' (text) or 'prompt_token_ids' (token ids)",
+                    field="prompt",
                 )
             inputs = inputs[keys.pop()]
         if isinstance(inputs, str):
             if self.tokenizer is None:
                 raise RequestError(
-                    "a text prompt needs a tokenizer, and this model has none", hint="send token ids"
+                    "a text prompt needs a tokenizer, and this model has none",
+                    field="prompt",
+                    hint="send token ids",
                 )
             return inputs, list(self.tokenizer(inputs, add_special_tokens=False)["input_ids"])
         if isinstance(inputs, (list, tuple)):
             return None, list(inputs)  # the engine checks every id
         raise RequestError(
             f"prompt of type {type(inputs).__name__} is not a string, a list of token ids, "
-            "{'prompt': str} or {'prompt_token_ids': [...]}"
+            "{'prompt': str} or {'prompt_token_ids': [...]}",
+            field="prompt",
         )
 
     def _abort(self, handle: GenerationHandle) -> None:
@@ -551,7 +555,7 @@ def _engine_config(
         kv_max_tokens=kv.max_tokens,
         kv_free_memory_fraction=kv.free_gpu_memory_fraction or 0.9,
         cuda_graphs=not enforce_eager and (cuda_graph_config is None or cg is not None),
-        graph_batch_sizes=tuple(sorted(cg.batch_sizes)) if cg is not None and cg.batch_sizes else None,
+        graph_batch_sizes=cg.graph_batch_sizes(fields["max_batch_size"]) if cg is not None else None,
         **fields,
     )
 

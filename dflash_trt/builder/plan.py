@@ -21,6 +21,21 @@ MODEL_NAME = "tensorrt_llm"
 CHECKPOINTS = "engine/checkpoints"
 
 
+def bundle_files(*, serve_script: bool) -> dict[str, str]:
+    """What a bundle holds, by role: the relative path of each file (the serve script only for
+    TensorRT-LLM bundles)."""
+    files = {"manifest": "manifest.json", "llm_api": "engine/llm_api.yaml"}
+    if serve_script:
+        files["serve_script"] = "engine/serve-trtllm.sh"
+    files.update(
+        model_repository="model_repository",
+        helm_values="helm-values.yaml",
+        bench_plan="bench-plan.yaml",
+        readme="BUNDLE.md",
+    )
+    return files
+
+
 @dataclass
 class BuildRequest:
     """The user's inputs (CLI flags), recorded verbatim in the manifest."""

@@ -48,7 +48,7 @@ class FrontConfig:
     served_names: list[str]  # OpenAI model ids (the first is listed by /v1/models)
     host: str = "127.0.0.1"
     port: int = 9000
-    max_seq_len: int | None = None
+    max_seq_len: int | None = None  # the chat default (what the context leaves) and /v1/models
     created: int = field(default_factory=P.now)
     api_key: ApiKey | None = None  # required from clients, and sent to Triton
 
@@ -145,13 +145,13 @@ async def live(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[KEY_CFG]
-    gen = P.parse_completions(await _body(request), cfg.served_names, max_seq_len=cfg.max_seq_len)
+    gen = P.parse_completions(await _body(request), cfg.served_names)
     return await _run(request, gen)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[KEY_CFG]
-    gen = P.parse_chat(await _body(request), cfg.served_names, max_seq_len=cfg.max_seq_len)
+    gen = P.parse_chat(await _body(request), cfg.served_names)
     chat = request.app[KEY_CHAT]
     if chat is None:
         raise P.OpenAIError(
@@ -160,15 +160,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )  # fmt: skip
     assert gen.messages is not None
     gen.prompt = chat.render(gen.messages, gen.chat_template_kwargs)
-    if gen.max_tokens is None:
-        if cfg.max_seq_len is None:
-            gen.max_tokens = P.COMPLETIONS_DEFAULT_MAX_TOKENS
-        else:
-            left = cfg.max_seq_len - chat.count(gen.prompt)
-            if left < 1:
-                raise P.bad("messages", f"<{cfg.max_seq_len - left} tokens>", "leave no room for output "
-                            f"in the context (max_seq_len={cfg.max_seq_len})", "send shorter messages")  # fmt: skip
-            gen.max_tokens = left
+    if gen.max_tokens is None and cfg.max_seq_len is not None:
+        # OpenAI's chat default: what the context leaves. A prompt that leaves nothing goes as it is
+        # (with the model's default max_tokens): the engine refuses it, naming the prompt.
+        left = cfg.max_seq_len - chat.count(gen.prompt)
+        gen.max_tokens = left if left >= 1 else None
     return await _run(request, gen)
 
 

@@ -22,7 +22,6 @@ import importlib.util
 from typing import Any
 
 OP_MODULES = ("context_kv", "block_attention", "accept", "tree_attention")
-OPS = ("inject_context", "block_attention", "greedy_accept", "rejection_accept", "tree_attention")
 
 
 def triton_installed() -> bool:

@@ -285,6 +285,19 @@ def _tree_round(
     return tokens, walk.path_nodes[0, : a + 1].tolist(), feats, real - 1
 
 
+@dataclass
+class _Loop:
+    """The state of one generation between rounds."""
+
+    output: list[int]  # generated tokens; the last one is the next round's anchor
+    start: int  # position of the anchor == tokens in the target cache
+    pending: torch.Tensor | None  # [n_pending, K * D] features of positions [start - n_pending, start)
+    finish: str  # "stop" once a stop token is out, else "length"
+    rounds: list[int] = field(default_factory=list)  # tokens each round produced
+    drafted: int = 0
+    accepted: int = 0
+
+
 @torch.inference_mode()
 def spec_generate(
     target: TargetAdapter,
@@ -312,84 +325,86 @@ def spec_generate(
             "verifies a fixed budget", hint="pass a number of nodes, e.g. 32",
         )  # fmt: skip
     assert isinstance(budget, int)
-    device = target.device
     n = len(prompt_ids)
     max_len = n + max_new_tokens
     stop = {int(t) for t in stop_token_ids}
-    sampler = _Sampler.create(sampling, device)
+    sampler = _Sampler.create(sampling, target.device)
     target.reset()
     draft = None
     if drafter is not None and block_size > 1:
         draft = _Draft.open(drafter, target, max_len=max_len, block_size=block_size)
     layer_ids = list(draft.drafter.config.target_layer_ids) if draft is not None else None
-
     # --- prefill: the prompt through the target gives the first token and the first context
     first, feats, ttft = _prefill(target, prompt_ids, layer_ids, sampler)
-
-    output = [first]
-    rounds: list[int] = []
-    drafted = accepted_total = 0
-    start = n  # position of the current anchor == tokens in the target cache
-    pending = feats  # [n_pending, K * D] features of positions [start - n_pending, start)
-    finish = "stop" if first in stop else "length"
+    loop = _Loop(output=[first], start=n, pending=feats, finish="stop" if first in stop else "length")
     t1 = time.perf_counter()
-    while start + 1 < max_len and finish != "stop":
-        # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
-        size = min(block_size, max_len - start)
-        block = torch.full(
-            (1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device
-        )
-        block[0, 0] = output[-1]
-        tree = None
-        if size > 1 and budget:
-            assert draft is not None and pending is not None and layer_ids is not None
-            new_tokens, path, feats, nodes = _tree_round(
-                target, draft, block, pending, start, sampler, budget=budget, layer_ids=layer_ids
-            )
-            a, tree = len(new_tokens) - 1, path
-            drafted += nodes
-        else:
-            draft_probs = None
-            if size > 1:
-                assert draft is not None and pending is not None
-                draft_probs = draft.propose(block, pending, start, sampler)
-                drafted += size - 1
-            # --- verify: one target forward over the whole block
-            logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
-            # --- accept: a matching drafts, then the target's own token after them (a + 1 tokens)
-            a, token = _accept(block, logits, draft_probs, start, sampler)
-            new_tokens = [*block[0, 1 : a + 1].tolist(), token]
-        accepted_total += a
-        # never past max_new_tokens; a stop token ends the round and the request
-        new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
-        if stopped:
-            finish = "stop"
-        produced = len(new_tokens)
-        output.extend(new_tokens)
-        # --- commit: the target cache keeps [0, start) plus the produced positions (a tree moves its
-        # accepted nodes' K/V there); their features (anchor first) go into the draft cache at the
-        # next round's injection
-        if tree is None:
-            target.crop(start + produced)
-            committed = feats[:produced] if feats is not None else None
-        else:
-            target.keep_nodes(start, tree[:produced])
-            committed = feats[tree[:produced]] if feats is not None else None
-        start += produced
-        if layer_ids is not None:
-            pending = committed
-        rounds.append(produced)
-        assert 1 <= produced <= size and target.cache_length == start
-    _sync(device)
+    while loop.start + 1 < max_len and loop.finish != "stop":
+        size = min(block_size, max_len - loop.start)
+        _round(loop, target, draft, sampler, size=size, max_len=max_len, stop=stop, layer_ids=layer_ids,
+               budget=budget)  # fmt: skip
+    _sync(target.device)
     decode = time.perf_counter() - t1
-    assert sum(rounds) == len(output) - 1
+    assert sum(loop.rounds) == len(loop.output) - 1
     return GenerationResult(
-        output_ids=output,
-        acceptance_lengths=rounds,
+        output_ids=loop.output,
+        acceptance_lengths=loop.rounds,
         ttft_s=ttft,
         decode_s=decode,
-        finish_reason=finish,
-        num_draft_tokens=drafted,
-        num_accepted_draft_tokens=accepted_total,
+        finish_reason=loop.finish,
+        num_draft_tokens=loop.drafted,
+        num_accepted_draft_tokens=loop.accepted,
         block_size=block_size,
     )
+
+
+def _round(
+    loop: _Loop, target: TargetAdapter, draft: _Draft | None, sampler: _Sampler, *, size: int, max_len: int,
+    stop: set[int], layer_ids: list[int] | None, budget: int = 0,
+) -> None:  # fmt: skip
+    """One round of `size` block slots: draft, verify, accept, commit (a DDTree of `budget` nodes
+    instead of the block's chain when budget > 0)."""
+    start = loop.start
+    # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
+    mask = draft.drafter.mask_token_id if draft is not None else 0
+    block = torch.full((1, size), mask, dtype=torch.long, device=sampler.device)
+    block[0, 0] = loop.output[-1]
+    path = None
+    if size > 1 and budget:
+        assert draft is not None and loop.pending is not None and layer_ids is not None
+        new_tokens, path, feats, nodes = _tree_round(
+            target, draft, block, loop.pending, start, sampler, budget=budget, layer_ids=layer_ids
+        )
+        a = len(new_tokens) - 1
+        loop.drafted += nodes
+    else:
+        draft_probs = None
+        if size > 1:
+            assert draft is not None and loop.pending is not None
+            draft_probs = draft.propose(block, loop.pending, start, sampler)
+            loop.drafted += size - 1
+        # --- verify: one target forward over the whole block
+        logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
+        # --- accept: a matching drafts, then the target's own token after them (a + 1 tokens)
+        a, token = _accept(block, logits, draft_probs, start, sampler)
+        new_tokens = [*block[0, 1 : a + 1].tolist(), token]
+    loop.accepted += a
+    # never past max_new_tokens; a stop token ends the round and the request
+    new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
+    if stopped:
+        loop.finish = "stop"
+    produced = len(new_tokens)
+    loop.output.extend(new_tokens)
+    # --- commit: the target cache keeps [0, start) plus the produced positions (a tree moves its
+    # accepted nodes' K/V there); their features (anchor first) go into the draft cache at the
+    # next round's injection
+    loop.start = start + produced
+    if path is None:
+        target.crop(loop.start)
+        committed = feats[:produced] if feats is not None else None
+    else:
+        target.keep_nodes(start, path[:produced])
+        committed = feats[path[:produced]] if feats is not None else None
+    if layer_ids is not None:
+        loop.pending = committed
+    loop.rounds.append(produced)
+    assert 1 <= produced <= size and target.cache_length == loop.start

