@@ -70,7 +70,9 @@ def test_the_key_reaches_only_the_serving_containers_by_secret_reference() -> No
     assert "DFLASH_TRT_API_KEY" not in str(_kind(docs, "Pod", "test-health"))  # probes need no key
     assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     ready = triton["readinessProbe"]["exec"]["command"][2]  # also asks for no engine-dead report
-    assert "GET /v2/health/ready " in ready and "DFLASH_TRT_API_KEY" not in ready and "uthorization" not in ready
+    assert (
+        "GET /v2/health/ready " in ready and "DFLASH_TRT_API_KEY" not in ready and "uthorization" not in ready
+    )
     assert KEY not in str(docs)
 
 
