@@ -59,5 +59,21 @@ class EnvironmentMissing(DFlashTrtError):
     exit_code = 3
 
 
-class RequestError(UsageError):
-    """A single request has bad parameters; the engine keeps serving others."""
+class RequestError(UsageError, ValueError):
+    """A single request has bad parameters; the engine keeps serving others. A ValueError too, as
+    TensorRT-LLM's LLM API raises for a bad request, so a server catches one type for both engines.
+    `field` names the request field at fault (`max_tokens`, `prompt`, `temperature`, ...), when one
+    is: the fronts report it as such (the OpenAI front's `param`), never by searching the message."""
+
+    def __init__(self, message: str, *, field: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.field = field
+
+
+class EngineDeadError(DFlashTrtError, RuntimeError):
+    """The engine stopped before the request completed: its thread raised, wedged, or the LLM was
+    shut down. The message names the cause; `output` holds what the request had produced by then."""
+
+    def __init__(self, message: str, *, hint: str | None = None, output: Any = None) -> None:
+        super().__init__(message, hint=hint)
+        self.output = output

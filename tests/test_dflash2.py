@@ -428,6 +428,17 @@ def test_greedy_equals_plain_decoding(variant, block):
     assert overturned > 0 and accepted > 0, (overturned, accepted)
 
 
+def test_ddtree_with_a_dflash2_drafter_is_refused_by_name():
+    """A DDTree built from the drafter's marginals would bypass the selector: refused, never a fallback."""
+    target = make_target()
+    adapter = HFTarget(target)
+    with pytest.raises(ConfigError, match=r"tree_budget=8: DDTree verification does not run DFlash 2") as err:
+        spec_generate(adapter, make_drafter(target, dflash2=True), [1, 2, 3], max_new_tokens=4, tree_budget=8)
+    assert err.value.field == "tree_budget" and "set tree_budget 0" in str(err.value)
+    v1 = spec_generate(adapter, make_drafter(target), [1, 2, 3], max_new_tokens=4, tree_budget=8)
+    assert v1.output_ids == spec_generate(adapter, None, [1, 2, 3], max_new_tokens=4).output_ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sampling",

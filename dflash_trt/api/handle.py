@@ -9,12 +9,19 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from dflash_trt.api.outputs import RequestOutput
+from dflash_trt.api.outputs import CompletionOutput, RequestOutput
 from dflash_trt.api.params import SamplingParams
+from dflash_trt.errors import EngineDeadError
 
 
 class GenerationHandle:
-    """What `generate_async` returns: await it, iterate it (sync or async), or abort it."""
+    """What `generate_async` returns: await it, iterate it (sync or async), or abort it.
+
+    Async iteration binds the handle to an event loop: the loop running where the handle was created
+    (TensorRT-LLM's rule), or else the loop that first iterates it, so a server may create handles on
+    a worker thread and consume them on its loop. A request that ends because the engine stopped
+    (it raised, wedged, or was shut down) raises EngineDeadError from `result()` and from iteration.
+    """
 
     def __init__(
         self,
@@ -32,27 +39,64 @@ class GenerationHandle:
         self.streaming = streaming
         self.request_id: int = -1
         self._cond = threading.Condition()
+        # what iteration yields: every output when streaming, else only the final one
         self._items: list[RequestOutput] = []
+        self._last: RequestOutput | None = None  # the newest output, streamed or not (what fail() extends)
         self._done = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aqueue: asyncio.Queue[RequestOutput] | None = None
-        try:
-            self._loop = asyncio.get_running_loop()
-            self._aqueue = asyncio.Queue()
-        except RuntimeError:
-            pass
+        with contextlib.suppress(RuntimeError):  # no loop running here: bind on first async iteration
+            self._bind(asyncio.get_running_loop())
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[RequestOutput]:
+        """Bind to `loop` (on that loop's thread): outputs already delivered are queued first."""
+        with self._cond:
+            if self._aqueue is None:
+                self._aqueue = asyncio.Queue()
+                for item in self._items:
+                    self._aqueue.put_nowait(item)
+                self._loop = loop
+            return self._aqueue
 
     def push(self, item: RequestOutput) -> None:
-        """Deliver one output (called by the LLM's engine thread)."""
+        """Deliver one output (the LLM's engine thread, or its watchdog). Ignored once finished."""
         with self._cond:
+            if self._done:
+                return
+            self._last = item
+            keep = self.streaming or item.finished
             if item.finished:
                 self._done = True
-            if self.streaming or item.finished:
+            if keep:
                 self._items.append(item)
             self._cond.notify_all()
-        if self._loop is not None and self._aqueue is not None and (self.streaming or item.finished):
+            loop, queue = self._loop, self._aqueue
+        if keep and loop is not None and queue is not None:
             with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def fail(self, cause: str) -> None:
+        """End the request with finish_reason 'error' and `cause`, keeping what it produced so far."""
+        with self._cond:
+            last = self._last
+        comp = last.outputs[0] if last is not None else None
+        self.push(
+            RequestOutput(
+                request_id=self.request_id,
+                prompt=self.prompt,
+                prompt_token_ids=self.prompt_token_ids,
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        text=comp.text if comp is not None else "",
+                        token_ids=list(comp.token_ids) if comp is not None else [],
+                        finish_reason="error",
+                    )
+                ],
+                finished=True,
+                error=cause,
+            )
+        )
 
     @property
     def finished(self) -> bool:
@@ -62,6 +106,12 @@ class GenerationHandle:
         """Cancel the request: it finishes with finish_reason 'cancelled' and frees its slot."""
         self._on_abort(self)
 
+    @staticmethod
+    def _checked(item: RequestOutput) -> RequestOutput:
+        if item.error is not None:
+            raise EngineDeadError(item.error, hint="retry the request on a running engine", output=item)
+        return item
+
     def result(self, timeout: float | None = None) -> RequestOutput:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -70,7 +120,7 @@ class GenerationHandle:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
                 self._cond.wait(left)
-            return self._items[-1]
+            return self._checked(self._items[-1])
 
     async def aresult(self) -> RequestOutput:
         last = None
@@ -86,21 +136,22 @@ class GenerationHandle:
         i = 0
         while True:
             with self._cond:
-                while i >= len(self._items) and not (self._done and i >= len(self._items)):
+                while i >= len(self._items) and not self._done:
                     self._cond.wait()
                 if i >= len(self._items):
                     return
                 item = self._items[i]
             i += 1
-            yield item
+            yield self._checked(item)
             if item.finished:
                 return
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        if self._aqueue is None:
-            raise RuntimeError("generate_async() must be called inside a running event loop to iterate it")
+        queue = self._aqueue if self._aqueue is not None else self._bind(asyncio.get_running_loop())
+        if self._loop is not asyncio.get_running_loop():
+            raise RuntimeError("this request is bound to another event loop; iterate it there")
         while True:
-            item = await self._aqueue.get()
-            yield item
+            item = await queue.get()
+            yield self._checked(item)
             if item.finished:
                 return

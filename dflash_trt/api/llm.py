@@ -29,7 +29,7 @@ from dflash_trt.api.outputs import (
     TimingMetrics,
 )
 from dflash_trt.api.params import CudaGraphConfig, KvCacheConfig, SamplingParams
-from dflash_trt.errors import ConfigError, DFlashTrtError, RequestError
+from dflash_trt.errors import ConfigError, DFlashTrtError, EngineDeadError, RequestError
 
 if TYPE_CHECKING:
     from dflash_trt.engine.postprocess import StepUpdate
@@ -56,6 +56,7 @@ _ACCEPTED_NOOP = {
 # add synchronisation. Measured on `tiny` (hidden 128, 2 idle cores): plain decoding 168 tok/s on
 # one thread vs 140 on two; on a busy machine two threads were ~30x slower.
 SINGLE_THREAD_BELOW_HIDDEN = 1024
+DEFAULT_WEDGE_TIMEOUT_S = 60.0  # a step that makes no progress this long with work pending is a wedge
 
 
 def cpu_threads_for(hidden_size: int, requested: int | None) -> int | None:
@@ -72,17 +73,27 @@ class LLM:
 
     model: `tiny` or a transformers directory. speculative_config: a dict (YAML form) or
     DFlashDecodingConfig with decoding_type 'DFlash', max_draft_len, speculative_model (a z-lab
-    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency.
+    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency, and the dflash-trt
+    extension tree_budget (DDTree nodes per round; 0 = linear DFlash; refused until the engine
+    verifies trees, see spec/tree.py).
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
     enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
     CUDA when triton is installed, False forces the PyTorch path), cpu_threads (torch's intra-op
     threads on CPU, process-wide; default: 1 for models narrower than 1024 when OMP_NUM_THREADS is
     unset, else torch's own default; see `cpu_threads_for`), compile (torch.compile the round with
-    inductor; the compilation runs here, before the first request: tens of seconds on CPU).
+    inductor; the compilation runs here, before the first request: tens of seconds on CPU),
+    wedge_timeout_s (the watchdog: an engine step that makes no progress this long while requests are
+    pending kills the engine; None turns the watchdog off).
+    Liveness: when the engine thread raises or wedges, every pending and in-flight request ends at
+    once with EngineDeadError naming the cause, `engine_error` reports it, and new requests are
+    refused with it (docs/serving.md, "Failure modes").
     Prompts take TensorRT-LLM's forms: a string, a list of token ids, {"prompt": str} or
     {"prompt_token_ids": [...]}.
     """
+
+    _closed: bool  # shutdown() was called
+    _thread: threading.Thread  # the engine thread
 
     def __init__(
         self,
@@ -102,9 +113,11 @@ class LLM:
         use_plugins: bool | None = None,
         cpu_threads: int | None = None,
         compile: bool = False,
+        wedge_timeout_s: float | None = DEFAULT_WEDGE_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         _check_accepted_noops(kwargs)
+        _check_wedge_timeout(wedge_timeout_s)
         import torch
 
         from dflash_trt.engine.engine import LLMEngine
@@ -115,6 +128,14 @@ class LLM:
         from dflash_trt.utils.device import resolve_device, resolve_dtype
 
         spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
+        if spec is not None and spec.uses_tree:  # before any weights load
+            raise ConfigError(
+                "speculative_config.tree_budget",
+                spec.tree_budget,
+                "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
+                hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
+                "dflash-trt generate --engine reference --tree-budget 32",
+            )
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
         self.drafter_dir = models.drafter_dir if spec is not None else None
@@ -157,17 +178,13 @@ class LLM:
             "max_seq_len": max_seq_len,
             "speculative_config": spec.to_dict() if spec else None,
         }
-        self._submit_lock = threading.Lock()  # orders submissions against shutdown
-        self._wake = threading.Event()  # set when the engine may have new work
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {}
         self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
         warm = self.engine.stats()
         self._rounds_seen = (warm["rounds"], warm["round_s"])  # warm-up rounds are not reported
-        self._closed = False
         self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
-        self._thread.start()
+        self._start_threads(wedge_timeout_s)
 
     # --- public ------------------------------------------------------------------------------------
     def generate(
@@ -212,20 +229,36 @@ class LLM:
             prompt=prompt_text, prompt_ids=ids, sampling_params=sp, streaming=streaming, on_abort=self._abort
         )
         with self._submit_lock:
+            if self._dead is not None:
+                raise EngineDeadError(
+                    f"the engine is dead: {self._dead}", hint="create a new LLM (restart the server)"
+                )
             if self._closed:
                 raise DFlashTrtError("the LLM was shut down", hint="create a new LLM")
-            req = self.engine.add_request(ids, _request_params(sp), owner=handle)
-        handle.request_id = req.request_id
+            self._live[id(handle)] = handle  # before add_request: the engine may finish it at once
+            try:
+                req = self.engine.add_request(ids, _request_params(sp), owner=handle)
+            except BaseException:
+                del self._live[id(handle)]
+                raise
+            handle.request_id = req.request_id
         return handle
 
+    @property
+    def engine_error(self) -> str | None:
+        """None while the engine serves (or after a clean shutdown); else why it died: the exception
+        its thread raised (type and message), or how long it was wedged."""
+        return self._dead
+
     def shutdown(self) -> None:
-        """Stop the engine thread; unfinished requests end with finish_reason 'error'."""
+        """Stop the engine thread; unfinished requests end with EngineDeadError('the LLM was shut down')."""
         with self._submit_lock:
             if self._closed:
                 return
             self._closed = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._released.set()  # an injected hang returns
+        self._thread.join(timeout=30 if self._dead is None else 1)  # a wedged thread may never return
 
     def __enter__(self) -> LLM:
         return self
@@ -253,20 +286,24 @@ class LLM:
             if len(keys) != 1:
                 raise RequestError(
                     f"prompt dict with keys {sorted(inputs)} must have exactly one of "
-                    "'prompt' (text) or 'prompt_token_ids' (token ids)"
+                    "'prompt' (text) or 'prompt_token_ids' (token ids)",
+                    field="prompt",
                 )
             inputs = inputs[keys.pop()]
         if isinstance(inputs, str):
             if self.tokenizer is None:
                 raise RequestError(
-                    "a text prompt needs a tokenizer, and this model has none", hint="send token ids"
+                    "a text prompt needs a tokenizer, and this model has none",
+                    field="prompt",
+                    hint="send token ids",
                 )
             return inputs, list(self.tokenizer(inputs, add_special_tokens=False)["input_ids"])
         if isinstance(inputs, (list, tuple)):
             return None, list(inputs)  # the engine checks every id
         raise RequestError(
             f"prompt of type {type(inputs).__name__} is not a string, a list of token ids, "
-            "{'prompt': str} or {'prompt_token_ids': [...]}"
+            "{'prompt': str} or {'prompt_token_ids': [...]}",
+            field="prompt",
         )
 
     def _abort(self, handle: GenerationHandle) -> None:
@@ -274,37 +311,97 @@ class LLM:
             self.engine.abort(handle.request_id)
             self._wake.set()
 
+    # --- the engine thread and its watchdog ------------------------------------------------------------
+    def _start_threads(self, wedge_timeout_s: float | None) -> None:
+        from dflash_trt.engine.faults import fault_from_env, with_fault
+
+        self._submit_lock = threading.Lock()  # orders submissions against shutdown and death
+        self._wake = threading.Event()  # set when the engine may have new work
+        self._released = threading.Event()  # set at shutdown: ends an injected hang
+        self._closed = False
+        self._dead: str | None = None  # the cause, once the engine thread raised or wedged
+        self._live: dict[int, GenerationHandle] = {}  # id(handle) -> handle, until its final output
+        self._progress = 0  # engine steps taken (the watchdog's only per-step cost)
+        self._parked = False  # the engine thread waits for work (not a wedge)
+        fault = fault_from_env()  # read once: with none set, the step is not wrapped
+        self._step = (
+            self.engine.step if fault is None else with_fault(self.engine.step, fault, self._released)
+        )
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._thread.start()
+        self.wedge_timeout_s = wedge_timeout_s
+        if wedge_timeout_s is not None:
+            threading.Thread(
+                target=self._watch, args=(wedge_timeout_s,), name="dflash-watchdog", daemon=True
+            ).start()
+
     def _loop(self) -> None:
         import torch
 
         if self.cpu_threads is not None:
             # OpenMP's thread count is per calling thread: set it again in the engine's own thread.
             torch.set_num_threads(self.cpu_threads)
-        with torch.inference_mode():
-            while not self._closed:
-                if not self.engine.has_work():
+        try:
+            with torch.inference_mode():
+                while not self._closed and self._dead is None:
+                    if not self.engine.has_work():
+                        self._publish_stats()
+                        self._parked = True
+                        self._wake.wait()
+                        self._parked = False
+                        self._wake.clear()
+                        continue
+                    updates = self._step()
+                    self._progress += 1
+                    self._deliver(updates)
                     self._publish_stats()
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                try:
-                    updates = self.engine.step()
-                except Exception as exc:  # keep serving: fail what was in flight
-                    log.exception("engine step failed")
-                    self._deliver(
-                        self.engine.fail_all(), error=f"engine failure: {type(exc).__name__}: {exc}"
-                    )
-                    continue
-                self._deliver(updates)
-                self._publish_stats()
-            self._deliver(self.engine.fail_all(), error="the LLM was shut down")
-            self._publish_stats()
+                if self._dead is None:
+                    self._deliver(self.engine.fail_all(), error="the LLM was shut down")
+                    self._publish_stats()
+        except BaseException as exc:  # the engine's state is now unknown: it serves no more
+            log.exception("engine thread failed")
+            self._die(f"engine failure: {type(exc).__name__}: {exc}")
+
+    def _watch(self, timeout: float) -> None:
+        """Declare the engine wedged when its thread is inside a step, requests are pending, and the
+        step count has not moved for `timeout` s (checked every period, at most a second)."""
+        period = min(1.0, timeout / 4)
+        last, since = self._progress, time.monotonic()  # since: a sample at or after the last progress
+        while not self._released.wait(period):
+            if self._dead is not None:
+                return
+            now = time.monotonic()
+            if self._progress != last or self._parked or not self._live:
+                last, since = self._progress, now
+            elif not self._thread.is_alive():
+                self._die("the engine thread exited unexpectedly")
+            elif now - since >= timeout:
+                self._die(f"engine wedged for {now - since:.0f} s: no step finished while "
+                          f"{len(self._live)} requests were pending (wedge_timeout_s={timeout:g})")  # fmt: skip
+
+    def _die(self, cause: str) -> None:
+        """Mark the engine dead and end every pending and in-flight request with `cause`. Any thread;
+        the engine's own state is left alone (its thread may still be stuck inside it)."""
+        with self._submit_lock:
+            if self._dead is not None:
+                return
+            self._dead = cause
+            handles = list(self._live.values())
+            self._live.clear()
+        log.error(
+            "the engine is dead (%s): failing %d requests; new requests are refused", cause, len(handles)
+        )
+        for handle in handles:
+            handle.fail(cause)
+        self._wake.set()  # an idle engine thread exits
 
     def _deliver(self, updates: list[StepUpdate], *, error: str | None = None) -> None:
         for update in updates:
             handle: GenerationHandle = update.req.owner
             out = self._snapshot(handle, update)
             out.error = error
+            if update.finished:
+                self._live.pop(id(handle), None)
             handle.push(out)
 
     def _td(self, t: float | None) -> datetime.timedelta | None:
@@ -375,6 +472,7 @@ def _check_accepted_noops(kwargs: dict[str, Any]) -> None:
                 f"LLM() got an unsupported argument {key!r}; the embedded engine accepts: model, tokenizer, "
                 "speculative_config, max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, "
                 f"cuda_graph_config, device, dtype, enforce_eager, profile, use_plugins, cpu_threads, compile, "
+                "wedge_timeout_s, "
                 f"{', '.join(sorted(_ACCEPTED_NOOP))}"
             )
         allowed = _ACCEPTED_NOOP[key]
@@ -382,6 +480,14 @@ def _check_accepted_noops(kwargs: dict[str, Any]) -> None:
             raise ConfigError(
                 key, value, "is not supported by the embedded engine", hint=f"use {allowed[0]!r}"
             )
+
+
+def _check_wedge_timeout(value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigError(
+            "wedge_timeout_s", value, "must be a number of seconds > 0, or None (no watchdog)",
+            hint=f"leave it at {DEFAULT_WEDGE_TIMEOUT_S:g}, or raise it for very slow steps",
+        )  # fmt: skip
 
 
 def _resolve_pair(model: str, spec: DFlashDecodingConfig | None) -> ResolvedModels:
@@ -449,7 +555,7 @@ def _engine_config(
         kv_max_tokens=kv.max_tokens,
         kv_free_memory_fraction=kv.free_gpu_memory_fraction or 0.9,
         cuda_graphs=not enforce_eager and (cuda_graph_config is None or cg is not None),
-        graph_batch_sizes=tuple(sorted(cg.batch_sizes)) if cg is not None and cg.batch_sizes else None,
+        graph_batch_sizes=cg.graph_batch_sizes(fields["max_batch_size"]) if cg is not None else None,
         **fields,
     )
 

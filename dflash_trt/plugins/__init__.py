@@ -6,6 +6,8 @@
                             (block_attention.py)
   dflash::greedy_accept     greedy verification (accept.py)
   dflash::rejection_accept  lossless rejection-sampling verification (accept.py)
+  dflash::tree_attention    the target's attention over [paged context ; DDTree nodes] under the
+                            ancestor mask (tree_attention.py)
   dflash::dynamic_conv      DFlash 2's grouped dynamic causal conv, fused with its coefficients
                             (dynamic_conv.py)
   dflash::selector_walk     DFlash 2's candidate walk, one program per request (selector_walk.py)
@@ -22,15 +24,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-OP_MODULES = ("context_kv", "block_attention", "accept", "dynamic_conv", "selector_walk")
-OPS = (
-    "inject_context",
-    "block_attention",
-    "greedy_accept",
-    "rejection_accept",
-    "dynamic_conv",
-    "selector_walk",
-)
+OP_MODULES = ("context_kv", "block_attention", "accept", "tree_attention", "dynamic_conv", "selector_walk")
 
 
 def triton_installed() -> bool:

@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """The embedded engine behind the LLM API: lossless continuous batching, streaming, cancellation,
-admission control and per-request errors (float32 CPU)."""
+admission control, per-request errors, and a dead or wedged engine (float32 CPU)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
+import threading
 import time
 
 import pytest
 import torch
 
 from dflash_trt import LLM, DFlashDecodingConfig, SamplingParams
-from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.errors import ConfigError, EngineDeadError, RequestError
 from dflash_trt.models.checkpoint import load_drafter, save_drafter
 from dflash_trt.reference.generate import spec_generate
 from dflash_trt.reference.hf_target import HFTarget
@@ -250,30 +252,100 @@ def test_cancellation_frees_the_slot(pair):
         assert stats["active"] == 0 and stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
 
 
-def test_engine_failure_fails_in_flight_requests_and_keeps_serving(pair):
+def _collect(handle, into: dict, key) -> None:
+    """Iterate `handle` to its end; record the outputs and how it ended (the exception, or None)."""
+    items: list = []
+    try:
+        for item in handle:
+            items.append(item)
+        into[key] = (items, None)
+    except Exception as exc:
+        into[key] = (items, exc)
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [("engine-raise:30", r"engine failure: InjectedFault: injected engine-raise at step 30"),
+     ("engine-hang:30", r"engine wedged for \d+ s: no step finished while \d+ requests were pending")],
+    ids=["raise", "hang"],
+)  # fmt: skip
+def test_a_dead_or_wedged_engine_fails_every_request_and_refuses_new_ones(pair, monkeypatch, fault, cause):
+    tdir, ddir, _ = pair
+    monkeypatch.setenv("DFLASH_TRT_TESTING", "1")
+    monkeypatch.setenv("DFLASH_TRT_FAULT_INJECT", fault)
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=2, max_seq_len=2000,
+             wedge_timeout_s=1.0) as llm:  # fmt: skip
+        assert llm.engine_error is None
+        sp = SamplingParams(max_tokens=1900, ignore_eos=True)
+        # two run (streamed, sync and async consumers), two wait in the queue: all four are pending
+        handles = [llm.generate_async([1, 2, 3], sp, streaming=True) for _ in range(2)]
+        handles += [llm.generate_async([4, 5], sp) for _ in range(2)]
+        ended: dict = {}
+        threads = [threading.Thread(target=_collect, args=(h, ended, i)) for i, h in enumerate(handles[:3])]
+        for t in threads:
+            t.start()
+
+        async def consume_async():
+            try:
+                await handles[3]
+                return None
+            except Exception as exc:
+                return exc
+
+        async_exc = asyncio.run(asyncio.wait_for(consume_async(), 60))
+        for t in threads:
+            t.join(60)
+        assert isinstance(async_exc, EngineDeadError) and re.search(cause, str(async_exc)), async_exc
+        for i in range(3):
+            items, exc = ended[i]
+            assert isinstance(exc, EngineDeadError) and re.search(cause, str(exc)), exc
+            assert exc.output.finished and exc.output.outputs[0].finish_reason == "error"
+            if items:  # what a stream had received is kept in the error's output
+                assert exc.output.outputs[0].token_ids[: len(items[-1].outputs[0].token_ids)] == (
+                    items[-1].outputs[0].token_ids
+                )
+        assert re.search(cause, llm.engine_error or ""), llm.engine_error
+        with pytest.raises(EngineDeadError, match="the engine is dead: " + cause):
+            llm.generate_async([1], SamplingParams(max_tokens=1))
+
+
+def test_fault_switch_needs_the_testing_flag_and_a_valid_value(monkeypatch):
+    from dflash_trt.engine.faults import Fault, fault_from_env
+
+    assert fault_from_env({}) is None
+    assert fault_from_env({"DFLASH_TRT_FAULT_INJECT": "engine-raise:3"}) is None  # ignored without the flag
+    on = {"DFLASH_TRT_TESTING": "1"}
+    assert fault_from_env({**on, "DFLASH_TRT_FAULT_INJECT": "engine-hang:12"}) == Fault("engine-hang", 12)
+    for bad in ("engine-raise", "engine-raise:0", "engine-explode:2", "engine-hang:x"):
+        with pytest.raises(ConfigError, match=r"DFLASH_TRT_FAULT_INJECT=.*engine-raise:N, engine-hang:N"):
+            fault_from_env({**on, "DFLASH_TRT_FAULT_INJECT": bad})
+
+
+def test_watchdog_ignores_an_idle_engine_and_checks_its_setting(pair):
+    tdir, _, _ = pair
+    with LLM(str(tdir), max_batch_size=1, max_seq_len=64, wedge_timeout_s=0.2) as llm:
+        time.sleep(1.0)  # parked, waiting for work: five timeouts pass without a wedge
+        assert llm.engine_error is None
+        assert llm.generate([1, 2], SamplingParams(max_tokens=2)).outputs[0].finish_reason == "length"
+    for bad in (0, -1.0, "10", True):
+        with pytest.raises(ConfigError, match=r"wedge_timeout_s=.*must be a number of seconds > 0, or None"):
+            LLM(str(tdir), wedge_timeout_s=bad)
+
+
+def test_handles_created_off_the_loop_stream_on_the_loop_that_iterates_them(pair):
     tdir, ddir, _ = pair
     with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=2, max_seq_len=256) as llm:
-        runner = llm.engine.runner
-        real = runner.decode_round
-        calls = {"n": 0}
+        sp = SamplingParams(max_tokens=20, ignore_eos=True)
+        want = llm.generate([1, 2, 3], sp)
 
-        def failing_once(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("injected fault")
-            return real(*args, **kwargs)
+        async def main():
+            # a server's pattern: tokenize and validate on a worker thread, stream on the loop
+            handle = await asyncio.to_thread(llm.generate_async, [1, 2, 3], sp, True)
+            return [item async for item in handle]
 
-        runner.decode_round = failing_once
-        out = llm.generate_async([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)).result(
-            timeout=60
-        )
-        assert out.finished and out.outputs[0].finish_reason == "error"
-        assert out.error == "engine failure: RuntimeError: injected fault"
-        again = llm.generate([1, 2, 3], SamplingParams(max_tokens=5))  # the engine keeps serving
-        assert again.outputs[0].finish_reason == "length" and len(again.outputs[0].token_ids) == 5
-        time.sleep(0.05)
-        stats = llm.get_stats()
-        assert stats["active"] == 0 and stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
+        items = asyncio.run(main())
+        assert items[-1].finished and items[-1].outputs[0].token_ids == want.outputs[0].token_ids
+        assert "".join(i.outputs[0].text_diff for i in items) == want.outputs[0].text
 
 
 def test_shutdown_ends_every_request_explicitly(pair):
@@ -284,9 +356,10 @@ def test_shutdown_ends_every_request_explicitly(pair):
     next(iter(running))  # the first request is in flight
     llm.shutdown()
     for handle in (running, queued):
-        final = handle.result(timeout=10)
-        assert final.finished and final.outputs[0].finish_reason == "error"
-        assert final.error == "the LLM was shut down"
+        with pytest.raises(EngineDeadError, match="the LLM was shut down") as info:
+            handle.result(timeout=10)
+        assert info.value.output.finished and info.value.output.outputs[0].finish_reason == "error"
+    assert llm.engine_error is None  # a clean shutdown is not a death
     with pytest.raises(Exception, match="the LLM was shut down"):
         llm.generate_async([1], SamplingParams(max_tokens=1))
 

@@ -245,10 +245,13 @@ def test_single_node_gpu_pod() -> None:
     }
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
-    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    ready = c["readinessProbe"]["exec"]["command"]
+    assert ready[:2] == ["/bin/bash", "-c"] and "GET /v2/health/ready" in ready[2]
+    assert "/var/run/dflash-trt/engine-dead" in ready[2]
     live = c["livenessProbe"]["exec"]["command"]
     assert live[:2] == ["/bin/bash", "-c"] and "triton_python_backend_stu[b]" in live[2]
     assert "GET /v2/health/live" in live[2] and "/var/run/dflash-trt/heartbeat" in live[2]
+    assert "/var/run/dflash-trt/engine-dead" in live[2]
     # shutdown timing derives from server.drainSeconds (30) and the preStop sleep (5)
     assert spec["terminationGracePeriodSeconds"] == 5 + 30 + 15 + 10 + 5
     assert "--exit-timeout-secs=10" in c["args"]

@@ -12,4 +12,4 @@ from tests.plugins.test_interpreter import run_interpreted
 
 @pytest.mark.triton_interpret
 def test_dflash2_kernels_under_the_interpreter(tmp_path):
-    run_interpreted("dflash2_kernels_interpreted.py", tmp_path, min_tests=30)
+    run_interpreted(("dflash2_kernels_interpreted.py",), tmp_path, min_tests=30)

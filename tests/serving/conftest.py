@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,25 +54,33 @@ def start_server(repo: Path, *, bundle: Path | None = None, env: dict[str, str] 
     return server
 
 
-def launch_serve(bundle: Path, *extra: str, timeout: float = 120):
-    """`dflash-trt serve` as users run it, on free ports; returns (process, {"http", "grpc", "metrics"} ports)
-    once /v2/health/ready answers 200. stderr is piped (read it with communicate())."""
+def launch_serve(
+    bundle: Path, *extra: str, timeout: float = 120, openai: bool = False, env: dict[str, str] | None = None
+):
+    """`dflash-trt serve` as users run it, on free ports; returns (process, {"http", "grpc", "metrics"
+    [, "openai"]} ports) once /v2/health/ready (and the OpenAI front's /health) answer 200. stderr is
+    piped (read it with communicate()). `env` is added to this process's environment."""
     import time
 
     import httpx
 
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, oai = free_ports(4)
+    ports = {"http": http, "grpc": grpc, "metrics": metrics, **({"openai": oai} if openai else {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(bundle), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--quiet", *extra],
-        stderr=subprocess.PIPE, text=True,
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--quiet", *extra,
+         *(["--openai-port", str(oai)] if openai else [])],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
     )  # fmt: skip
+    urls = [f"http://127.0.0.1:{http}/v2/health/ready"] + (
+        [f"http://127.0.0.1:{oai}/health"] if openai else []
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         try:
-            if httpx.get(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2).status_code == 200:
-                return proc, {"http": http, "grpc": grpc, "metrics": metrics}
+            if all(httpx.get(url, timeout=2).status_code == 200 for url in urls):
+                return proc, ports
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
@@ -102,6 +112,21 @@ def http_generate(srv, body: dict, *, stream: bool = False, timeout: float = 60)
             if line.startswith("data:"):
                 events.append(json.loads(line[5:]))
     return events
+
+
+HANG_S = 120.0  # how long `eventually` waits: a bound on a hang, never a timing under test
+
+
+def eventually(condition: Callable[[], object], what: str, *, timeout: float = HANG_S, every: float = 0.05):
+    """Poll until `condition()` is true and return its value; fail naming `what` only after `timeout`
+    (which a loaded machine never needs: the tests wait for states, they do not time them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(every)
 
 
 def metric_value(srv, name: str) -> float:

@@ -22,7 +22,7 @@ from dflash_trt.training.forward import (
 )
 from dflash_trt.training.trainer import target_features
 from tests.conftest import make_drafter, make_target
-from tests.training.test_train_drafter import base_args, run, toy  # noqa: F401  (the toy fixture)
+from tests.training.test_train_drafter import base_args, toy  # noqa: F401  (the toy fixture)
 
 
 @pytest.mark.parametrize("variant", ["plain", "swa"])
@@ -105,14 +105,14 @@ def test_selector_learns_to_overturn_wrong_argmax_picks():
 
 
 @pytest.mark.slow
-def test_cli_trains_a_dflash2_drafter_in_the_published_format(toy, tmp_path, capsys):  # noqa: F811
+def test_cli_trains_a_dflash2_drafter_in_the_published_format(toy, tmp_path, cli):  # noqa: F811
     from dflash_trt.models.checkpoint import load_drafter
 
     tdir, data = toy
     out = tmp_path / "d2"
     args = [*base_args(tdir, data, out), "--steps", "3", "--dflash2", "--selector-top-k", "6", "--selector-rank", "8",
             "--json"]  # fmt: skip
-    code, stdout, err = run(args, capsys)
+    code, stdout, err = cli(args)
     assert code == 0, err
     assert json.loads(stdout)["steps"] == 3 and "overturn" in err
     cfg = json.loads((out / "config.json").read_text())
@@ -137,9 +137,7 @@ def test_cli_trains_a_dflash2_drafter_in_the_published_format(toy, tmp_path, cap
                        drafter.candidate_selector.successor_codebook.float())  # fmt: skip
 
 
-def test_dflash2_flags_need_dflash2(toy, tmp_path, capsys):  # noqa: F811
+def test_dflash2_flags_need_dflash2(toy, tmp_path, cli):  # noqa: F811
     tdir, data = toy
-    code, _, err = run(
-        [*base_args(tdir, data, tmp_path / "x"), "--steps", "1", "--selector-top-k", "4"], capsys
-    )
+    code, _, err = cli([*base_args(tdir, data, tmp_path / "x"), "--steps", "1", "--selector-top-k", "4"])
     assert code == 2 and "--selector-top-k applies to DFlash 2 drafters only" in err and "--dflash2" in err

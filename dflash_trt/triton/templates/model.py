@@ -10,25 +10,31 @@ model.yaml (next to this file, or $LLM_CONFIG_PATH) holds LLM-API keyword argume
     engine: dflash_trt | tensorrt_llm
     cancellation_check_period_ms: 100
     bundle_root: ../../..        # relative paths in the LLM arguments are resolved against it
-With engine=tensorrt_llm the object is `tensorrt_llm.LLM` (GPU); with dflash_trt it is the embedded
-engine `dflash_trt.LLM` (CPU or GPU). Both expose generate_async(prompt, SamplingParams,
-streaming) returning an async iterable of outputs with .text, .text_diff, .token_ids,
-.finish_reason, .stop_reason and per-request perf metrics.
+The model talks to one engine interface, `dflash_trt.api.serving.ServingLLM`: the embedded engine
+`dflash_trt.LLM` (CPU or GPU) implements it as it is; `tensorrt_llm.LLM` (GPU) goes through the
+`TensorRTLLM` adapter below.
 
 Bounded work: the raw bytes of text_input are checked against max_prompt_bytes (triton_config; by
 default 32 bytes per token of the LLM's max_seq_len) before anything decodes or tokenizes them, and
 generate_async (which tokenizes and validates) runs on a worker thread, never on the event loop that
 serves every other request. Token-count and other semantic limits belong to the engine.
 
-Heartbeat: with $DFLASH_TRT_CONTROL_DIR set, the model's event loop touches `heartbeat` there every
-second; a stale heartbeat tells a supervisor (serve, the chart's liveness probe) that the stub is
-wedged.
+Engine liveness: with $DFLASH_TRT_CONTROL_DIR set, the model's event loop touches `heartbeat` there
+every second while the engine serves. Once the engine is dead (its thread raised, or it wedged:
+`ServingLLM.engine_error`), the heartbeat stops, every request in flight has already ended with an
+UNAVAILABLE error naming the cause, new requests get UNAVAILABLE at once, and the model writes the
+cause to `engine-dead` there: a supervisor (serve, the chart's probes) restarts the server. A stale
+heartbeat alone means a wedged stub process.
 
 Drain: with $DFLASH_TRT_CONTROL_DIR set, the file `drain` appearing there (its content: the drain
 budget in seconds) puts the model into draining: new requests get UNAVAILABLE (HTTP 503), in-flight
 requests run on until the budget is spent, and whatever is left then ends with an explicit UNAVAILABLE
 error. Once nothing is in flight the model shuts its engine down and writes `drained` there;
 finalize() writes `finalized`.
+
+Every error message ends with a trailer naming its kind (and the field of a refused request), e.g.
+"... (error: UNAVAILABLE)": a gRPC stream carries an error's message but not its code, so the OpenAI
+front reads the trailer (dflash_trt/triton/kserve.py) and answers UNAVAILABLE with 503.
 
 Streaming: like NVIDIA's model, each streamed response carries the *accumulated* text by default;
 a request that sets `streaming_delta: true` gets only the new text in each response instead.
@@ -39,18 +45,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
+import functools
 import json
 import locale
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
+
+if TYPE_CHECKING:
+    from dflash_trt.api.serving import CompletionView, OutputView, RequestStream, ServingLLM
 
 # Request inputs mapped one to one onto SamplingParams fields.
 SAMPLING_INPUTS = {
@@ -71,20 +82,9 @@ SAMPLING_INPUTS = {
     "sampling_param_stop_token_ids": "stop_token_ids",
 }
 LIST_FIELDS = {"stop", "stop_token_ids"}
-OTHER_INPUTS = {
-    "text_input",
-    "streaming",
-    "streaming_delta",
-    "return_finish_reason",
-    "return_stop_reason",
-    "return_cumulative_logprob",
-    "stop",
-    "image_url",
-    "lora_id",
-    "lora_name",
-    "lora_path",
-    "lora_ckpt_source",
-}
+FLAG_INPUTS = ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
+               "return_cumulative_logprob")  # fmt: skip
+UNSUPPORTED_INPUTS = ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source")
 PERF_OUTPUTS = (
     ("acceptance_rate", np.float32),
     ("total_accepted_draft_tokens", np.int32),
@@ -96,19 +96,72 @@ PERF_OUTPUTS = (
     ("first_token_time_ns", np.int64),
     ("last_token_time_ns", np.int64),
 )
-
+# (attribute, metric name, kind, description, buckets); "block" buckets: 1 .. block_size
+METRICS = (
+    ("m_accept", "dflash_acceptance_length", "HISTOGRAM",
+     "Tokens produced per DFlash round (accepted drafts + 1 bonus token)", "block"),
+    ("m_drafted", "dflash_draft_tokens_total", "COUNTER", "Draft tokens proposed", None),
+    ("m_accepted", "dflash_accepted_draft_tokens_total", "COUNTER", "Draft tokens accepted", None),
+    ("m_output", "dflash_output_tokens_total", "COUNTER", "Tokens generated (all requests)", None),
+    ("m_rounds", "dflash_rounds_total", "COUNTER", "DFlash rounds (per request)", None),
+    ("m_active", "dflash_requests_active", "GAUGE",
+     "Requests being generated (holding a batch slot; queued requests are dflash_requests_queued)", None),
+    ("m_queued", "dflash_requests_queued", "GAUGE",
+     "Requests waiting for a batch slot or KV pages (embedded engine only)", None),
+    ("m_kv", "dflash_kv_cache_utilization", "GAUGE",
+     "Fraction of KV-cache pages reserved by requests (embedded engine only)", None),
+    ("m_round", "dflash_round_duration_seconds", "HISTOGRAM",
+     "Wall time of one engine step's DFlash round for the whole batch (embedded engine only)",
+     [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
+    # Latencies as clients see them, measured here: Triton's own first-response histogram is not in
+    # every Triton build (2.51 lacks it) and Triton has no inter-token metric.
+    ("m_ttft", "dflash_time_to_first_token_seconds", "HISTOGRAM",
+     "Time from the request reaching the model to its first generated token",
+     [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+    ("m_itl", "dflash_inter_token_latency_seconds", "HISTOGRAM",
+     "Mean time per token after the first, per output step (DFlash emits several per round)",
+     [0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0]),
+    ("m_drafter", "dflash_drafter_enabled", "GAUGE",
+     "1 when the model serves with a DFlash drafter (speculative_config), 0 without", None),
+)  # fmt: skip
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 BYTES_PER_TOKEN = 32  # default max_prompt_bytes = BYTES_PER_TOKEN * max_seq_len
 DEFAULT_DRAIN_S = 30.0
+POLL_S = 0.25  # engine counters and liveness
+HEARTBEAT_S = 1.0
+DEAD_MARKER = "engine-dead"
+REPORT_DEAD_WITHIN_S = 2.0  # error responses go out before the marker asks for a restart
 
 
 class RequestInputError(ValueError):
-    """A bad request: answered with INVALID_ARG (HTTP 400); the model keeps serving."""
+    """A bad request: answered with INVALID_ARG (HTTP 400); the model keeps serving. `field` names
+    the request field at fault (an input's name, or the engine's RequestError.field) when known."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# Every error response ends with this trailer: its kind and, for a refused request, the field at
+# fault. A gRPC stream error carries a message only and Triton's HTTP front answers every model
+# error with 400, so this is how clients (the OpenAI front: dflash_trt/triton/kserve.py,
+# parse_model_error) tell a bad request from a failure and name the field without reading prose.
+ERROR_TRAILER = " (error: {kind}{field})"
 
 
 class Unavailable(RuntimeError):
-    """The model cannot take the request now (draining): answered with UNAVAILABLE (HTTP 503)."""
+    """The model cannot serve the request (draining, or a dead engine): answered with UNAVAILABLE."""
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    prompt: str
+    sampling: Any  # the engine's SamplingParams
+    streaming: bool
+    want_metrics: bool  # the client asked for the perf-metric outputs
+    include_input: bool  # token_ids echo the prompt (exclude_input_from_output=False)
+    flags: dict[str, bool]
 
 
 def _decode(value: Any, field: str) -> str:
@@ -119,7 +172,7 @@ def _decode(value: Any, field: str) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestInputError(
-            f"{field} is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 text"
+            f"{field} is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 text", field=field
         ) from None
 
 
@@ -131,15 +184,10 @@ def _wire_int(value: Any, field: str) -> int:
         # value at the edge of the range most likely did not arrive as it was sent.
         raise RequestInputError(
             f"{field}={item}: outside the INT32 range of this input (over HTTP, Triton wraps JSON integers "
-            "beyond +-2147483647 silently); send a value within it"
+            "beyond +-2147483647 silently); send a value within it",
+            field=field,
         )
     return item
-
-
-def _set_running_loop(loop: asyncio.AbstractEventLoop | None) -> None:
-    # generate_async binds its handle to the *running* loop; on a worker thread we name the model's
-    # loop as running (asyncio's own helper, what loop.run_forever does) so its outputs reach us there.
-    asyncio.events._set_running_loop(loop)
 
 
 def _utf8_text_files() -> None:
@@ -177,20 +225,108 @@ def _load_config() -> dict[str, Any]:
     return cfg
 
 
-def _td_ns(value: Any) -> int:
-    """Timing metrics arrive as timedelta (ours), pandas Timedelta or float seconds (TensorRT-LLM)."""
+def _resolve_paths(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The LLM arguments with relative model/tokenizer/drafter paths resolved against the bundle."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value and not os.path.isabs(value) and (root / value).exists():
+            return str(root / value)
+        return value
+
+    cfg = dict(cfg)
+    for key in ("model", "tokenizer"):
+        if key in cfg:
+            cfg[key] = fix(cfg[key])
+    spec = cfg.get("speculative_config")
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        for key in ("speculative_model", "speculative_model_dir"):
+            if key in spec:
+                spec[key] = fix(spec[key])
+        cfg["speculative_config"] = spec
+    return cfg
+
+
+def _td_ns(value: datetime.timedelta | float | None) -> int:
+    """A timing metric in ns: a timedelta (ours; TensorRT-LLM's, pandas.Timedelta included) or seconds."""
     if value is None:
         return 0
     if isinstance(value, datetime.timedelta):
         return int(value.total_seconds() * 1e9)
-    if hasattr(value, "value"):  # pandas.Timedelta
-        return int(value.value)
     return int(float(value) * 1e9)
 
 
+def _write_marker(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class TensorRTLLM:
+    """`tensorrt_llm.LLM` as a ServingLLM. TensorRT-LLM binds a request's output queue to the event
+    loop running where generate_async is called, so the request is created on the model's loop (the
+    worker thread waits for it; TensorRT-LLM then tokenizes there, as in NVIDIA's own model). It has
+    no public liveness or counters in ServingLLM's shape: engine_error stays None (a failed
+    TensorRT-LLM request raises, and is answered INTERNAL) and the stub heartbeat covers the process."""
+
+    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._llm = llm
+        self._loop = loop
+
+    def generate_async(
+        self, inputs: str, sampling_params: Any = None, streaming: bool = False
+    ) -> RequestStream:
+        async def create() -> RequestStream:
+            return self._llm.generate_async(inputs, sampling_params, streaming=streaming)
+
+        return asyncio.run_coroutine_threadsafe(create(), self._loop).result()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+    @property
+    def engine_error(self) -> str | None:
+        return None
+
+    def get_stats(self) -> dict[str, Any]:
+        return {}
+
+    def drain_round_times(self) -> list[float]:
+        return []
+
+
+def _open_engine(kind: str, cfg: dict[str, Any], loop: asyncio.AbstractEventLoop) -> tuple[ServingLLM, Any]:
+    """The engine named by triton_config.engine and its SamplingParams class."""
+    if kind == "tensorrt_llm":
+        from tensorrt_llm import LLM as TrtLLM
+        from tensorrt_llm import SamplingParams as TrtSamplingParams
+        from tensorrt_llm.llmapi.llm_args import update_llm_args_with_extra_dict
+
+        return TensorRTLLM(TrtLLM(**update_llm_args_with_extra_dict({}, cfg)), loop), TrtSamplingParams
+    if kind == "dflash_trt":
+        from dflash_trt import LLM, SamplingParams
+
+        return LLM(**cfg), SamplingParams
+    raise pb_utils.TritonModelException(f"triton_config.engine={kind!r}: use tensorrt_llm or dflash_trt")
+
+
 class TritonPythonModel:
+    # The metrics, set by _setup_metrics from METRICS.
+    m_accept: Any
+    m_drafted: Any
+    m_accepted: Any
+    m_output: Any
+    m_rounds: Any
+    m_active: Any
+    m_queued: Any
+    m_kv: Any
+    m_round: Any
+    m_ttft: Any
+    m_itl: Any
+    m_drafter: Any
+
     @staticmethod
-    def auto_complete_config(auto_complete_model_config):
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
         cfg = _load_config()["triton_config"]
         auto_complete_model_config.set_max_batch_size(int(cfg["max_batch_size"]))
         auto_complete_model_config.set_model_transaction_policy({"decoupled": bool(cfg["decoupled"])})
@@ -204,43 +340,31 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         cfg = _load_config()
         triton_cfg = cfg.pop("triton_config")
-        self.engine_kind = triton_cfg.get("engine", "tensorrt_llm")
+        self.engine_kind = str(triton_cfg.get("engine", "tensorrt_llm"))
         self.check_period = float(triton_cfg.get("cancellation_check_period_ms", 100)) / 1000.0
         max_seq_len = int(cfg.get("max_seq_len") or 4096)
         self.max_prompt_bytes = int(triton_cfg.get("max_prompt_bytes") or BYTES_PER_TOKEN * max_seq_len)
-        self.control_dir = (
-            Path(os.environ["DFLASH_TRT_CONTROL_DIR"]) if os.environ.get("DFLASH_TRT_CONTROL_DIR") else None
-        )
+        env_dir = os.environ.get("DFLASH_TRT_CONTROL_DIR")
+        self.control_dir = Path(env_dir) if env_dir else None
+        if self.control_dir is not None:  # a restarted container keeps its control dir (an emptyDir)
+            (self.control_dir / DEAD_MARKER).unlink(missing_ok=True)
         self.drain_deadline: float | None = None  # time.monotonic() at which the drain budget ends
         self.drain_budget = 0.0
         self._drain_aborted: set[int] = set()  # id() of handles ended by the drain deadline
         self._last_beat = -1e9
+        self._dead_report: asyncio.Future[None] | None = None
         root = Path(
             os.environ.get("DFLASH_TRT_BUNDLE_ROOT")
             or (_config_path().parent / triton_cfg.get("bundle_root", "."))
         )
-        cfg = self._resolve_paths(cfg, root.resolve())
-        if self.engine_kind == "tensorrt_llm":
-            from tensorrt_llm import LLM, SamplingParams
-            from tensorrt_llm.llmapi.llm_args import update_llm_args_with_extra_dict
-
-            self.llm = LLM(**update_llm_args_with_extra_dict({}, cfg))
-        elif self.engine_kind == "dflash_trt":
-            from dflash_trt import LLM, SamplingParams
-
-            self.llm = LLM(**cfg)
-        else:
-            raise pb_utils.TritonModelException(
-                f"triton_config.engine={self.engine_kind!r}: use tensorrt_llm or dflash_trt"
-            )
-        self.SamplingParams = SamplingParams
-        self.sampling_fields = set(getattr(SamplingParams, "__dataclass_fields__", {})) or set(
-            getattr(SamplingParams, "model_fields", {})
-        )
+        cfg = _resolve_paths(cfg, root.resolve())
+        self.loop = asyncio.new_event_loop()
+        self.llm, self.SamplingParams = _open_engine(self.engine_kind, cfg, self.loop)
+        self.sampling_fields = {f.name for f in dataclasses.fields(self.SamplingParams)}
         spec = cfg.get("speculative_config") or {}
         self.block_size = int(spec.get("max_draft_len", 0) if isinstance(spec, dict) else 0) + 1
-        self._inflight: dict[str, list[Any]] = {}
-        self._handles: set[Any] = set()
+        self._inflight: dict[str, list[RequestStream]] = {}
+        self._handles: set[RequestStream] = set()
         # The embedded engine counts generating requests itself (its stats poll sets the gauge);
         # otherwise the gauge counts requests in flight in this model.
         self._engine_counts_active = self.engine_kind == "dflash_trt"
@@ -248,195 +372,125 @@ class TritonPythonModel:
         self._lock = threading.Lock()
         self._setup_metrics()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-tokenize")
-        self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run_loop, name="dflash-triton-loop", daemon=True)
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._poll_engine_stats(), self.loop)
+        asyncio.run_coroutine_threadsafe(self._poll_engine(), self.loop)
         if self.control_dir is not None:
             asyncio.run_coroutine_threadsafe(self._watch_drain(), self.loop)
         pb_utils.Logger.log_info(
             f"{self.model_name}: engine={self.engine_kind}, decoupled={self.decoupled}, block={self.block_size}"
         )
 
-    @staticmethod
-    def _resolve_paths(cfg: dict[str, Any], root: Path) -> dict[str, Any]:
-        def fix(value: Any) -> Any:
-            if isinstance(value, str) and value and not os.path.isabs(value) and (root / value).exists():
-                return str(root / value)
-            return value
-
-        cfg = dict(cfg)
-        for key in ("model", "tokenizer"):
-            if key in cfg:
-                cfg[key] = fix(cfg[key])
-        spec = cfg.get("speculative_config")
-        if isinstance(spec, dict):
-            spec = dict(spec)
-            for key in ("speculative_model", "speculative_model_dir"):
-                if key in spec:
-                    spec[key] = fix(spec[key])
-            cfg["speculative_config"] = spec
-        return cfg
-
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    # --- metrics --------------------------------------------------------------------------------
+    # --- metrics, liveness ----------------------------------------------------------------------
     def _setup_metrics(self) -> None:
         mf = pb_utils.MetricFamily
         labels = {"model": self.model_name}
-        # MetricFamily objects must outlive their metrics: keep them on self.
-        self.fam_accept = mf(
-            name="dflash_acceptance_length",
-            description="Tokens produced per DFlash round (accepted drafts + 1 bonus token)",
-            kind=mf.HISTOGRAM,
-        )
-        self.m_accept = self.fam_accept.Metric(
-            labels=labels, buckets=[float(b) for b in range(1, max(2, self.block_size) + 1)]
-        )
-        self.fam_drafted = mf(
-            name="dflash_draft_tokens_total", description="Draft tokens proposed", kind=mf.COUNTER
-        )
-        self.m_drafted = self.fam_drafted.Metric(labels=labels)
-        self.fam_accepted = mf(
-            name="dflash_accepted_draft_tokens_total", description="Draft tokens accepted", kind=mf.COUNTER
-        )
-        self.m_accepted = self.fam_accepted.Metric(labels=labels)
-        self.fam_output = mf(
-            name="dflash_output_tokens_total", description="Tokens generated (all requests)", kind=mf.COUNTER
-        )
-        self.m_output = self.fam_output.Metric(labels=labels)
-        self.fam_rounds = mf(
-            name="dflash_rounds_total", description="DFlash rounds (per request)", kind=mf.COUNTER
-        )
-        self.m_rounds = self.fam_rounds.Metric(labels=labels)
-        self.fam_active = mf(
-            name="dflash_requests_active",
-            description="Requests being generated (holding a batch slot; queued requests are dflash_requests_queued)",
-            kind=mf.GAUGE,
-        )
-        self.m_active = self.fam_active.Metric(labels=labels)
-        self.fam_queued = mf(
-            name="dflash_requests_queued",
-            description="Requests waiting for a batch slot or KV pages (embedded engine only)",
-            kind=mf.GAUGE,
-        )
-        self.m_queued = self.fam_queued.Metric(labels=labels)
-        self.fam_kv = mf(
-            name="dflash_kv_cache_utilization",
-            description="Fraction of KV-cache pages reserved by requests (embedded engine only)",
-            kind=mf.GAUGE,
-        )
-        self.m_kv = self.fam_kv.Metric(labels=labels)
-        self.fam_round = mf(
-            name="dflash_round_duration_seconds",
-            description="Wall time of one engine step's DFlash round for the whole batch (embedded engine only)",
-            kind=mf.HISTOGRAM,
-        )
-        self.m_round = self.fam_round.Metric(
-            labels=labels, buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
-        )
-        # Latencies as clients see them, measured here: Triton's own first-response histogram is not
-        # in every Triton build (2.51 lacks it) and Triton has no inter-token metric.
-        self.fam_ttft = mf(
-            name="dflash_time_to_first_token_seconds",
-            description="Time from the request reaching the model to its first generated token",
-            kind=mf.HISTOGRAM,
-        )
-        self.m_ttft = self.fam_ttft.Metric(
-            labels=labels, buckets=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-        )
-        self.fam_itl = mf(
-            name="dflash_inter_token_latency_seconds",
-            description="Mean time per token after the first, per output step (DFlash emits several per round)",
-            kind=mf.HISTOGRAM,
-        )
-        self.m_itl = self.fam_itl.Metric(
-            labels=labels, buckets=[0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0]
-        )
-        self.fam_drafter = mf(
-            name="dflash_drafter_enabled",
-            description="1 when the model serves with a DFlash drafter (speculative_config), 0 without",
-            kind=mf.GAUGE,
-        )
-        self.m_drafter = self.fam_drafter.Metric(labels=labels)
+        self._families = []  # MetricFamily objects must outlive their metrics
+        for attr, name, kind, description, buckets in METRICS:
+            family = mf(name=name, description=description, kind=getattr(mf, kind))
+            self._families.append(family)
+            if buckets == "block":
+                buckets = [float(b) for b in range(1, max(2, self.block_size) + 1)]
+            setattr(self, attr, family.Metric(labels=labels, **({"buckets": buckets} if buckets else {})))
         self.m_drafter.set(1.0 if self.block_size > 1 else 0.0)
 
-    async def _poll_engine_stats(self) -> None:
+    async def _poll_engine(self) -> None:
+        """Every POLL_S: the engine's counters into the metrics, then its liveness into the heartbeat
+        (alive) or the engine-dead report (dead)."""
         while True:
             try:
-                stats = self.llm.get_stats() if hasattr(self.llm, "get_stats") else None
-                if isinstance(stats, dict) and "waiting" in stats:
-                    self.m_queued.set(float(stats["waiting"]))
-                    if "active" in stats:
-                        self.m_active.set(float(stats["active"]))
-                    cap = float(stats.get("kv_capacity_tokens") or 0)
-                    if cap:
-                        self.m_kv.set(1.0 - float(stats.get("kv_free_tokens", cap)) / cap)
-                if hasattr(self.llm, "drain_round_times"):
-                    for seconds in self.llm.drain_round_times():
-                        self.m_round.observe(seconds)
+                self._publish_engine_stats()
             except Exception as exc:  # metrics must never take the model down
                 pb_utils.Logger.log_warn(f"engine stats poll failed: {exc}")
-            self._heartbeat()
-            await asyncio.sleep(0.25)
+            cause = self.llm.engine_error
+            if cause is None:
+                self._heartbeat()
+            elif self._dead_report is None:
+                self._dead_report = asyncio.ensure_future(self._report_dead(cause))
+            await asyncio.sleep(POLL_S)
+
+    def _publish_engine_stats(self) -> None:
+        stats = self.llm.get_stats()
+        if "waiting" in stats:
+            self.m_queued.set(float(stats["waiting"]))
+        if "active" in stats:
+            self.m_active.set(float(stats["active"]))
+        cap = float(stats.get("kv_capacity_tokens") or 0)
+        if cap:
+            self.m_kv.set(1.0 - float(stats.get("kv_free_tokens", cap)) / cap)
+        for seconds in self.llm.drain_round_times():
+            self.m_round.observe(seconds)
 
     def _heartbeat(self) -> None:
-        """Touch $DFLASH_TRT_CONTROL_DIR/heartbeat (at most once a second): a supervisor that sees it
-        go stale knows this stub is wedged even though Triton still reports it ready."""
+        """Touch $DFLASH_TRT_CONTROL_DIR/heartbeat (at most once a second) while the engine serves: a
+        supervisor that sees it go stale knows the stub or its engine is wedged, though Triton still
+        reports the model ready."""
         now = time.monotonic()
-        if self.control_dir is None or now - self._last_beat < 1.0:
+        if self.control_dir is None or now - self._last_beat < HEARTBEAT_S:
             return
         self._last_beat = now
         with contextlib.suppress(OSError):
             (self.control_dir / "heartbeat").touch()
 
+    async def _report_dead(self, cause: str) -> None:
+        """The engine died: its requests have ended with errors; once those are sent (or after
+        REPORT_DEAD_WITHIN_S), write the cause to `engine-dead` for the supervisor."""
+        pb_utils.Logger.log_error(
+            f"{self.model_name}: the engine is dead ({cause}); new requests get UNAVAILABLE. "
+            "Restart the server (serve exits 1; the chart's probes fail)."
+        )
+        give_up = time.monotonic() + REPORT_DEAD_WITHIN_S
+        while self._in_flight() and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        if self.control_dir is not None:
+            with contextlib.suppress(OSError):
+                _write_marker(self.control_dir / DEAD_MARKER, cause + "\n")
+
     # --- requests -------------------------------------------------------------------------------
-    def execute(self, requests):
+    def execute(self, requests: list[Any]) -> None:
         for request in requests:
             asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
-        return None
 
-    def _read(self, request, name: str) -> Any:
+    def _read(self, request: Any, name: str) -> Any:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
-    def _prompt(self, request) -> str:
+    def _prompt(self, request: Any) -> str:
         """text_input: exactly one string, its raw size bounded before it is decoded or tokenized."""
         raw = self._read(request, "text_input")
         if raw is None or raw.size == 0:
-            raise RequestInputError("text_input is required (a non-empty string)")
+            raise RequestInputError("text_input is required (a non-empty string)", field="text_input")
         if raw.size != 1:
-            raise RequestInputError(f"text_input must hold exactly one string, got {raw.size} elements")
+            raise RequestInputError(
+                f"text_input must hold exactly one string, got {raw.size} elements", field="text_input"
+            )
         first = raw.reshape(-1)[0]
         size = len(first) if isinstance(first, bytes) else len(str(first).encode("utf-8"))
         if size > self.max_prompt_bytes:
             raise RequestInputError(
                 f"text_input is {size} bytes, over the limit of {self.max_prompt_bytes} "
                 "(triton_config.max_prompt_bytes; default 32 bytes per token of max_seq_len); "
-                "shorten the prompt or raise the limit"
+                "shorten the prompt or raise the limit",
+                field="text_input",
             )
         prompt = _decode(first, "text_input")
         if not prompt:
-            raise RequestInputError("text_input is empty")
+            raise RequestInputError("text_input is empty", field="text_input")
         return prompt
 
-    def _parse(self, request) -> tuple[str, Any, bool, bool, dict[str, bool]]:
-        params = json.loads(request.parameters() or "{}")
-        unknown = sorted(k for k in params if not k.startswith("triton_"))
-        if unknown:
-            raise RequestInputError(
-                f"unknown parameter {unknown[0]!r}; inputs are text_input, streaming, sampling_param_*, return_*"
-            )
-        prompt = self._prompt(request)
+    def _sampling_kwargs(self, request: Any) -> dict[str, Any]:
+        """The sampling_param_* inputs as SamplingParams keyword arguments (wire types checked)."""
         kwargs: dict[str, Any] = {}
         for name, field in SAMPLING_INPUTS.items():
             value = self._read(request, name)
             if value is None:
                 continue
             if field not in self.sampling_fields:
-                raise RequestInputError(f"{name} is not supported by engine {self.engine_kind}")
+                raise RequestInputError(f"{name} is not supported by engine {self.engine_kind}", field=name)
             flat = value.reshape(-1)
             if field in LIST_FIELDS:
                 kwargs[field] = [
@@ -446,7 +500,7 @@ class TritonPythonModel:
                 ]  # fmt: skip
                 continue
             if flat.size != 1:
-                raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}")
+                raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}", field=name)
             item = flat[0]
             if isinstance(item, bytes):
                 kwargs[field] = _decode(item, name)
@@ -454,144 +508,189 @@ class TritonPythonModel:
                 kwargs[field] = _wire_int(item, name)
             else:
                 kwargs[field] = item.item()
+        return kwargs
+
+    def _flags(self, request: Any) -> dict[str, bool]:
         flags = {}
-        for name in ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
-                     "return_cumulative_logprob"):  # fmt: skip
+        for name in FLAG_INPUTS:
             v = self._read(request, name)
             if v is None:
                 continue
             if v.size != 1:
-                raise RequestInputError(f"{name} must hold exactly one value, got {v.size}")
+                raise RequestInputError(f"{name} must hold exactly one value, got {v.size}", field=name)
             flags[name] = bool(v.reshape(-1)[0])
-        for name in ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source"):
+        for name in UNSUPPORTED_INPUTS:
             if self._read(request, name) is not None:
-                raise RequestInputError(f"{name} is not supported (text-only model, no LoRA adapters)")
+                raise RequestInputError(f"{name} is not supported (text-only, no LoRA adapters)", field=name)
         if flags.get("return_cumulative_logprob"):
             raise RequestInputError(
                 "return_cumulative_logprob is not supported (no log-probabilities are computed)"
             )
-        streaming = flags.get("streaming", False)
-        if streaming and not self.decoupled:
+        if flags.get("streaming") and not self.decoupled:
             raise RequestInputError("streaming=true needs a decoupled model (triton_config.decoupled: true)")
+        return flags
+
+    def _parse(self, request: Any) -> ParsedRequest:
+        params = json.loads(request.parameters() or "{}")
+        unknown = sorted(k for k in params if not k.startswith("triton_"))
+        if unknown:
+            raise RequestInputError(
+                f"unknown parameter {unknown[0]!r}; inputs are text_input, streaming, sampling_param_*, return_*"
+            )
+        prompt = self._prompt(request)
+        kwargs = self._sampling_kwargs(request)
+        flags = self._flags(request)
         want_metrics = bool(kwargs.get("return_perf_metrics", False))
         kwargs["return_perf_metrics"] = True  # always measured: it feeds the DFlash metrics
         try:
             sampling = self.SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
             raise RequestInputError(str(exc)) from None
-        flags["perf"] = want_metrics
-        flags["include_input"] = getattr(sampling, "exclude_input_from_output", True) is False
-        return prompt, sampling, streaming, want_metrics, flags
+        return ParsedRequest(
+            prompt=prompt,
+            sampling=sampling,
+            streaming=flags.get("streaming", False),
+            want_metrics=want_metrics,
+            include_input=sampling.exclude_input_from_output is False,
+            flags=flags,
+        )
 
-    def _submit(self, prompt: str, sampling: Any, streaming: bool) -> Any:
-        """On a worker thread: generate_async tokenizes and validates (the engine's one place for
-        semantic checks); its handle still delivers outputs on the model's event loop."""
-        _set_running_loop(self.loop)
+    async def _submit(self, parsed: ParsedRequest) -> RequestStream:
+        """generate_async on a worker thread: it tokenizes and validates (the engine's one place for
+        semantic checks; a bad request raises ValueError). The stream is consumed on this loop."""
+        submit = functools.partial(
+            self.llm.generate_async, parsed.prompt, parsed.sampling, streaming=parsed.streaming
+        )
         try:
-            return self.llm.generate_async(prompt, sampling, streaming=streaming)
-        except Exception as exc:
-            # The engine's request errors: dflash-trt's RequestError (exit_code 2), TensorRT-LLM's ValueError.
-            if getattr(exc, "exit_code", None) == 2 or isinstance(exc, ValueError):
-                raise RequestInputError(str(exc)) from None
-            raise
-        finally:
-            _set_running_loop(None)
+            return await self.loop.run_in_executor(self.pool, submit)
+        except ValueError as exc:  # RequestError (naming its field) or TensorRT-LLM's ValueError
+            raise RequestInputError(str(exc), field=getattr(exc, "field", None)) from None
 
-    async def _serve(self, request) -> None:
+    def _unavailable_reason(self) -> str | None:
+        """Why no request can be served now (a dead engine, draining), or None."""
+        cause = self.llm.engine_error
+        if cause is not None:
+            return f"the engine is dead ({cause}); this server is restarting, retry on another replica"
+        if self.drain_deadline is not None:
+            return (
+                "the server is shutting down (draining) and takes no new requests; retry on another replica"
+            )
+        return None
+
+    async def _serve(self, request: Any) -> None:
         started = time.monotonic()
         sender = request.get_response_sender()
         rid = request.request_id()
-        handle = None
         try:
-            if self.drain_deadline is not None:
-                raise Unavailable(
-                    "the server is shutting down (draining) and takes no new requests; retry on another replica"
-                )
-            prompt, sampling, streaming, want_metrics, flags = self._parse(request)
-            if flags.get("stop"):
+            reason = self._unavailable_reason()
+            if reason is not None:
+                raise Unavailable(reason)
+            parsed = self._parse(request)
+            if parsed.flags.get("stop"):
                 self._stop_by_id(rid)
-                sender.send(
-                    pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError("stopped", code=pb_utils.TritonError.CANCELLED)
-                    ),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                )
+                self._send_error(sender, "stopped", pb_utils.TritonError.CANCELLED)
                 return
-            handle = await self.loop.run_in_executor(self.pool, self._submit, prompt, sampling, streaming)
-            with self._lock:
-                self._active += 1
-                self._inflight.setdefault(rid, []).append(handle)
-                self._handles.add(handle)
-                self._set_active()
-            if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
-                self._abort_for_drain(handle)
-            watcher = asyncio.ensure_future(self._watch_cancel(request, handle))
-            seen = (0, 0)  # rounds and tokens already counted in the metrics
-            last_token_at = None  # monotonic time of the latest new token (latency metrics)
-            cancelled = False
-            try:
-                async for output in handle:
-                    comp = output.outputs[0]
-                    skip = len(output.prompt_token_ids or []) if flags.get("include_input") else 0
-                    tokens_before = seen[1]
-                    seen = self._observe(comp, seen, final=bool(output.finished), skip=skip)
-                    last_token_at = self._observe_latency(started, last_token_at, seen[1] - tokens_before)
-                    if not output.finished:
-                        # Never ask about cancellation after the final response: the response factory
-                        # is gone by then (Triton 2.51 crashes in TRITONBACKEND_ResponseFactoryIsCancelled).
-                        if request.is_cancelled():
-                            cancelled = True
-                            handle.abort()
-                        elif streaming:
-                            sender.send(self._response(output, comp, flags, want_metrics), flags=0)
-                        continue
-                    watcher.cancel()
-                    if id(handle) in self._drain_aborted:
-                        self._send_error(
-                            sender,
-                            f"request aborted: the server shut down before it finished (drain budget "
-                            f"{self.drain_budget:g} s spent) after {seen[1]} generated tokens; retry it",
-                            pb_utils.TritonError.UNAVAILABLE,
-                        )
-                    elif cancelled or comp.finish_reason == "cancelled":
-                        self._send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-                    elif getattr(output, "error", None):
-                        self._send_error(sender, str(output.error), pb_utils.TritonError.INTERNAL)
-                    else:
-                        sender.send(
-                            self._response(output, comp, flags, want_metrics),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                        )
-                    break
-            finally:
-                watcher.cancel()
+            handle = await self._submit(parsed)
         except RequestInputError as exc:
-            self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG, field=exc.field)
+            return
         except Unavailable as exc:
-            self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            self._send_unavailable(sender, str(exc))
+            return
         except Exception as exc:
-            pb_utils.Logger.log_error(f"request {rid!r} failed: {type(exc).__name__}: {exc}")
-            self._send_error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            self._send_failure(sender, rid, exc, tokens=0)
+            return
+        self._track(rid, handle)
+        try:
+            await self._stream(request, sender, handle, parsed, started)
         finally:
-            if handle is not None:
-                with self._lock:
-                    self._active -= 1
-                    handles = self._inflight.get(rid, [])
-                    if handle in handles:
-                        handles.remove(handle)
-                    if not handles:
-                        self._inflight.pop(rid, None)
-                    self._handles.discard(handle)
-                    self._drain_aborted.discard(id(handle))
-                    self._set_active()
+            self._untrack(rid, handle)
+
+    async def _stream(
+        self, request: Any, sender: Any, handle: RequestStream, parsed: ParsedRequest, started: float
+    ) -> None:
+        """Relay the request's outputs until its final response (or its error)."""
+        watcher = asyncio.ensure_future(self._watch_cancel(request, handle))
+        seen = (0, 0)  # rounds and tokens already counted in the metrics
+        last_token_at = None  # monotonic time of the latest new token (latency metrics)
+        cancelled = False
+        try:
+            async for output in handle:
+                comp = output.outputs[0]
+                skip = len(output.prompt_token_ids or []) if parsed.include_input else 0
+                tokens_before = seen[1]
+                seen = self._observe(comp, seen, final=bool(output.finished), skip=skip)
+                last_token_at = self._observe_latency(started, last_token_at, seen[1] - tokens_before)
+                if output.finished:
+                    watcher.cancel()
+                    self._send_final(sender, handle, output, parsed, cancelled=cancelled, tokens=seen[1])
+                    return
+                # Never ask about cancellation after the final response: the response factory is
+                # gone by then (Triton 2.51 crashes in TRITONBACKEND_ResponseFactoryIsCancelled).
+                if request.is_cancelled():
+                    cancelled = True
+                    handle.abort()
+                elif parsed.streaming:
+                    sender.send(self._response(output, parsed), flags=0)
+            raise RuntimeError("the engine ended the request without a final output")  # never a silent end
+        except Exception as exc:  # the engine stopped (died, or was shut down) or failed the request
+            self._send_failure(sender, request.request_id(), exc, tokens=seen[1])
+        finally:
+            watcher.cancel()
+
+    def _send_final(
+        self, sender: Any, handle: RequestStream, output: OutputView, parsed: ParsedRequest, *,
+        cancelled: bool, tokens: int,
+    ) -> None:  # fmt: skip
+        if id(handle) in self._drain_aborted:
+            self._send_unavailable(
+                sender,
+                f"request aborted: the server shut down before it finished (drain budget "
+                f"{self.drain_budget:g} s spent) after {tokens} generated tokens; retry it",
+            )
+        elif cancelled or output.outputs[0].finish_reason == "cancelled":
+            self._send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+        else:
+            sender.send(self._response(output, parsed), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _send_failure(self, sender: Any, rid: str, exc: Exception, *, tokens: int) -> None:
+        """A request the engine could not serve: UNAVAILABLE when the engine is dead or the server
+        drains (retry elsewhere), else INTERNAL naming the exception."""
+        reason = self._unavailable_reason()
+        if reason is not None:
+            self._send_unavailable(sender, f"request failed after {tokens} generated tokens: {reason}")
+            return
+        pb_utils.Logger.log_error(f"request {rid!r} failed: {type(exc).__name__}: {exc}")
+        self._send_error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+    def _track(self, rid: str, handle: RequestStream) -> None:
+        with self._lock:
+            self._active += 1
+            self._inflight.setdefault(rid, []).append(handle)
+            self._handles.add(handle)
+            self._set_active()
+        if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+            self._abort_for_drain(handle)
+
+    def _untrack(self, rid: str, handle: RequestStream) -> None:
+        with self._lock:
+            self._active -= 1
+            handles = self._inflight.get(rid, [])
+            if handle in handles:
+                handles.remove(handle)
+            if not handles:
+                self._inflight.pop(rid, None)
+            self._handles.discard(handle)
+            self._drain_aborted.discard(id(handle))
+            self._set_active()
 
     def _set_active(self) -> None:
         if not self._engine_counts_active:  # else the stats poll sets it from the engine's own count
             self.m_active.set(float(self._active))
 
     # --- drain ----------------------------------------------------------------------------------
-    async def _watch_drain(self) -> None:
-        """Polls $DFLASH_TRT_CONTROL_DIR/drain; once it exists, drains within the budget it holds."""
+    async def _wait_for_drain(self) -> None:
+        """Poll $DFLASH_TRT_CONTROL_DIR/drain until it exists; then set the budget it holds."""
         assert self.control_dir is not None
         marker = self.control_dir / "drain"
         while self.drain_deadline is None:
@@ -605,10 +704,15 @@ class TritonPythonModel:
                         budget = DEFAULT_DRAIN_S
                     self.drain_budget = max(0.0, budget)
                     self.drain_deadline = time.monotonic() + self.drain_budget
-        with self._lock:
-            n = len(self._handles)
+
+    async def _watch_drain(self) -> None:
+        """Drain within the budget: in-flight requests run on, what is left then is aborted with an
+        UNAVAILABLE error, and the engine is shut down once nothing is in flight."""
+        assert self.control_dir is not None
+        await self._wait_for_drain()
+        assert self.drain_deadline is not None
         pb_utils.Logger.log_info(
-            f"{self.model_name}: draining: {n} requests in flight, budget {self.drain_budget:g} s; "
+            f"{self.model_name}: draining: {self._in_flight()} requests in flight, budget {self.drain_budget:g} s; "
             "new requests get UNAVAILABLE"
         )
         while time.monotonic() < self.drain_deadline and self._in_flight():
@@ -635,15 +739,25 @@ class TritonPythonModel:
         with self._lock:
             return len(self._handles)
 
-    def _abort_for_drain(self, handle: Any) -> None:
+    def _abort_for_drain(self, handle: RequestStream) -> None:
         with self._lock:
             self._drain_aborted.add(id(handle))
         handle.abort()
 
-    def _send_error(self, sender, message: str, code) -> None:
+    def _send_unavailable(self, sender: Any, message: str) -> None:
+        self._send_error(sender, message, pb_utils.TritonError.UNAVAILABLE)
+
+    def _send_error(self, sender: Any, message: str, code: Any, *, field: str | None = None) -> None:
+        kinds = {
+            getattr(pb_utils.TritonError, k): k
+            for k in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL")
+        }
+        text = message + ERROR_TRAILER.format(
+            kind=kinds.get(code, "UNKNOWN"), field=f", field: {field}" if field else ""
+        )
         try:
             sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code=code)),
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(text, code=code)),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
             )
         except Exception as exc:  # the client may be gone
@@ -657,21 +771,24 @@ class TritonPythonModel:
         for h in handles:
             h.abort()
 
-    async def _watch_cancel(self, request, handle) -> None:
+    async def _watch_cancel(self, request: Any, handle: RequestStream) -> None:
         """A client that disconnects (or cancels its gRPC stream) frees its engine slot, even while
-        the engine has nothing to send. Cancelled (by `_serve`) before the final response."""
+        the engine has nothing to send. Cancelled (by `_stream`) before the final response."""
         while True:
             await asyncio.sleep(self.check_period)
             if request.is_cancelled():
                 handle.abort()
                 return
 
-    def _observe(self, comp: Any, seen: tuple[int, int], *, final: bool, skip: int = 0) -> tuple[int, int]:
+    def _observe(
+        self, comp: CompletionView, seen: tuple[int, int], *, final: bool, skip: int = 0
+    ) -> tuple[int, int]:
         """Feed the DFlash metrics with what is new since `seen` = (rounds, tokens) counted so far."""
         seen_rounds, seen_tokens = seen
-        perf = getattr(comp, "request_perf_metrics", None)
-        spec = getattr(perf, "speculative_decoding", None) if perf is not None else None
-        lengths = list(getattr(spec, "acceptance_lengths", []) or []) if spec is not None else []
+        perf = comp.request_perf_metrics
+        spec = perf.speculative_decoding if perf is not None else None
+        # acceptance_lengths: a dflash-trt extension, absent from TensorRT-LLM's metrics
+        lengths = list(getattr(spec, "acceptance_lengths", None) or [])
         for length in lengths[seen_rounds:]:
             self.m_accept.observe(float(length))
         if len(lengths) > seen_rounds:
@@ -697,42 +814,44 @@ class TritonPythonModel:
             self.m_itl.observe((now - last) / new_tokens)
         return now
 
-    def _response(self, output: Any, comp: Any, flags: dict[str, bool], want_metrics: bool):
+    def _response(self, output: OutputView, parsed: ParsedRequest) -> Any:
+        comp = output.outputs[0]
+        flags = parsed.flags
         text = comp.text_diff if flags.get("streaming_delta") else comp.text
-        n_out = len(comp.token_ids) - (
-            len(output.prompt_token_ids or []) if flags.get("include_input") else 0
-        )
+        n_in = len(output.prompt_token_ids or [])
         tensors = [
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
-            pb_utils.Tensor("num_output_tokens", np.array([n_out], dtype=np.int32)),
-            pb_utils.Tensor(
-                "num_input_tokens", np.array([len(output.prompt_token_ids or [])], dtype=np.int32)
-            ),
-        ]
+            pb_utils.Tensor("num_output_tokens", np.array([len(comp.token_ids) - (n_in if parsed.include_input else 0)],
+                                                          dtype=np.int32)),
+            pb_utils.Tensor("num_input_tokens", np.array([n_in], dtype=np.int32)),
+        ]  # fmt: skip
         if flags.get("return_finish_reason"):
             tensors.append(
                 pb_utils.Tensor("finish_reason", np.array([str(comp.finish_reason)], dtype=object))
             )
         if flags.get("return_stop_reason"):
             tensors.append(pb_utils.Tensor("stop_reason", np.array([str(comp.stop_reason)], dtype=object)))
-        perf = getattr(comp, "request_perf_metrics", None)
-        if want_metrics and perf is not None:
-            spec = perf.speculative_decoding
-            timing = perf.timing_metrics
-            values = {
-                "acceptance_rate": getattr(spec, "acceptance_rate", 0.0) or 0.0,
-                "total_accepted_draft_tokens": getattr(spec, "total_accepted_draft_tokens", 0) or 0,
-                "total_draft_tokens": getattr(spec, "total_draft_tokens", 0) or 0,
-                "mean_acceptance_length": getattr(spec, "mean_acceptance_length", 0.0) or 0.0,
-                "num_rounds": getattr(spec, "num_rounds", 0) or 0,
-                "arrival_time_ns": _td_ns(getattr(timing, "arrival_time", None)),
-                "first_scheduled_time_ns": _td_ns(getattr(timing, "first_scheduled_time", None)),
-                "first_token_time_ns": _td_ns(getattr(timing, "first_token_time", None)),
-                "last_token_time_ns": _td_ns(getattr(timing, "last_token_time", None)),
-            }
+        if parsed.want_metrics and comp.request_perf_metrics is not None:
+            values = self._perf_values(comp.request_perf_metrics)
             for name, dtype in PERF_OUTPUTS:
                 tensors.append(pb_utils.Tensor(name, np.array([values[name]], dtype=dtype)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    @staticmethod
+    def _perf_values(perf: Any) -> dict[str, float | int]:
+        spec, timing = perf.speculative_decoding, perf.timing_metrics
+        return {
+            "acceptance_rate": spec.acceptance_rate or 0.0,
+            "total_accepted_draft_tokens": spec.total_accepted_draft_tokens or 0,
+            "total_draft_tokens": spec.total_draft_tokens or 0,
+            # dflash-trt extensions, absent from TensorRT-LLM's metrics
+            "mean_acceptance_length": getattr(spec, "mean_acceptance_length", 0.0) or 0.0,
+            "num_rounds": getattr(spec, "num_rounds", 0) or 0,
+            "arrival_time_ns": _td_ns(timing.arrival_time),
+            "first_scheduled_time_ns": _td_ns(timing.first_scheduled_time),
+            "first_token_time_ns": _td_ns(timing.first_token_time),
+            "last_token_time_ns": _td_ns(timing.last_token_time),
+        }
 
     async def _cancel_tasks(self) -> None:
         tasks = [t for t in asyncio.all_tasks(self.loop) if t is not asyncio.current_task()]

@@ -70,6 +70,8 @@ spec:
     - name: model-init
       {{- if $v.modelInit.image.repository }}
       image: {{ include "dflash-trt.image" (dict "repository" $v.modelInit.image.repository "tag" ($v.modelInit.image.tag | default $v.image.tag) "digest" "") }}
+      {{- else if eq $v.modelInit.mode "build" }}
+      image: {{ include "dflash-trt.dflashImage" $root }}
       {{- else }}
       image: {{ include "dflash-trt.image" $v.image }}
       {{- end }}
@@ -212,6 +214,9 @@ spec:
       {{- end }}
       env:
         {{- include "dflash-trt.commonEnv" $root | nindent 8 }}
+        {{- if and (ne $role "worker") $v.apiKey.secretName }}
+        {{- include "dflash-trt.apiKeyEnv" $root | nindent 8 }}
+        {{- end }}
         {{- with $v.server.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -255,17 +260,27 @@ spec:
         failureThreshold: {{ div (add (int .budgetSeconds) (int .periodSeconds) -1) (int .periodSeconds) }}
       {{- end }}
       {{- with $v.probes.readiness }}
+      # Triton keeps answering ready after the model's engine died (its thread raised or wedged; every
+      # request then gets UNAVAILABLE), so readiness also asks for no engine-dead report from the model.
       readinessProbe:
-        httpGet:
-          path: /v2/health/ready
-          port: http
+        exec:
+          command:
+            - /bin/bash
+            - -c
+            - |
+              dead={{ include "dflash-trt.controlDir" $root }}/engine-dead
+              if [ -e "$dead" ]; then echo "the model's engine is dead: $(head -c 300 "$dead")" >&2; exit 1; fi
+              exec 3<>/dev/tcp/127.0.0.1/8000 || exit 1
+              printf 'GET /v2/health/ready HTTP/1.0\r\n\r\n' >&3
+              head -n 1 <&3 | grep -q ' 200 ' || { echo "/v2/health/ready is not 200" >&2; exit 1; }
         periodSeconds: {{ int .periodSeconds }}
         timeoutSeconds: {{ int .timeoutSeconds }}
         failureThreshold: {{ int .failureThreshold }}
       {{- end }}
       {{- with $v.probes.liveness }}
       # Triton keeps answering live and ready after its Python stub dies (every request then fails)
-      # or wedges, so liveness also asks for a live stub process and a fresh heartbeat from the model.
+      # or wedges, or the model's engine dies, so liveness also asks for a live stub process, no
+      # engine-dead report and a fresh heartbeat from the model (it beats only while its engine serves).
       livenessProbe:
         exec:
           command:
@@ -277,9 +292,11 @@ spec:
                 case "$(tr '\0' ' ' < "$f" 2>/dev/null)" in *triton_python_backend_stu[b]*) alive=1; break ;; esac
               done
               if [ "$alive" != 1 ]; then echo "no live triton_python_backend_stub: the model's Python stub died" >&2; exit 1; fi
+              dead={{ include "dflash-trt.controlDir" $root }}/engine-dead
+              if [ -e "$dead" ]; then echo "the model's engine is dead: $(head -c 300 "$dead")" >&2; exit 1; fi
               hb={{ include "dflash-trt.controlDir" $root }}/heartbeat
               if [ -e "$hb" ] && [ $(( $(date +%s) - $(stat -c %Y "$hb") )) -gt 10 ]; then
-                echo "the model's heartbeat is stale: its Python stub is wedged" >&2; exit 1
+                echo "the model's heartbeat is stale: its Python stub or its engine is wedged" >&2; exit 1
               fi
               exec 3<>/dev/tcp/127.0.0.1/8000 || exit 1
               printf 'GET /v2/health/live HTTP/1.0\r\n\r\n' >&3
@@ -360,7 +377,8 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $v.shm.sizeLimit }}
-    # The drain handshake between the preStop hook and the model (drain / drained / finalized).
+    # The model's control files: the drain handshake with the preStop hook (drain / drained /
+    # finalized) and its liveness for the probes (heartbeat, engine-dead).
     - name: control
       emptyDir:
         sizeLimit: 1Mi
