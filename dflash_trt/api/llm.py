@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import logging
 import os
 import threading
@@ -57,6 +58,7 @@ _ACCEPTED_NOOP = {
 # one thread vs 140 on two; on a busy machine two threads were ~30x slower.
 SINGLE_THREAD_BELOW_HIDDEN = 1024
 DEFAULT_WEDGE_TIMEOUT_S = 60.0  # a step that makes no progress this long with work pending is a wedge
+COMPILE_ENV = "DFLASH_TRT_COMPILE"  # "0": eager rounds by default (tests that start many engines)
 
 
 def cpu_threads_for(hidden_size: int, requested: int | None) -> int | None:
@@ -110,7 +112,8 @@ class LLM:
         profile: bool = False,
         use_plugins: bool | None = None,
         cpu_threads: int | None = None,
-        compile: bool = False,
+        compile: bool | None = None,
+        compile_cache: str | None = None,
         wedge_timeout_s: float | None = DEFAULT_WEDGE_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
@@ -123,8 +126,11 @@ class LLM:
         from dflash_trt.models.sources import default_stop_token_ids
         from dflash_trt.models.target_config import parse_target_config
         from dflash_trt.spec.decoding_config import DFlashDecodingConfig
-        from dflash_trt.utils.device import resolve_device, resolve_dtype
+        from dflash_trt.utils.device import DTYPES, resolve_device, resolve_dtype
 
+        self.device = resolve_device(None if device == "auto" else device)
+        # First: later imports (the tokenizer's) fix inductor's cache directory when they load inductor.
+        compile = _compile_wanted(compile, self.device, compile_cache)
         spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
@@ -133,8 +139,12 @@ class LLM:
         tcfg = parse_target_config(read_json(models.target_dir / "config.json", what="target config"))
         if max_seq_len is None:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
-        self.device = resolve_device(None if device == "auto" else device)
-        self.dtype = resolve_dtype(None if dtype == "auto" else dtype, self.device)
+        self.dtype = resolve_dtype(
+            dtype,
+            self.device,
+            checkpoint_dtype=DTYPES.get(tcfg.checkpoint_dtype or ""),
+            hidden_size=tcfg.hidden_size,
+        )
         self.cpu_threads = _set_cpu_threads(self.device, tcfg.hidden_size, cpu_threads)
         self.engine_config = _engine_config(
             max_batch_size=max_batch_size,
@@ -159,7 +169,11 @@ class LLM:
                 eos_token_ids=tuple(default_stop_token_ids(models.target_dir, self.tokenizer)),
             )
             if compile:  # compile before the first request, not inside it
-                log.info("compiled rounds ready in %.1f s", self.engine.warm_up())
+                _warm_up_compiled(self.engine)
+        # Everything allocated so far (modules, the tokenizer, compiled code) lives as long as the LLM:
+        # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.
+        gc.collect()
+        gc.freeze()
         self.speculative_config = spec
         self.args = {
             "model": str(model),
@@ -474,6 +488,40 @@ def _check_wedge_timeout(value: float | None) -> None:
             "wedge_timeout_s", value, "must be a number of seconds > 0, or None (no watchdog)",
             hint=f"leave it at {DEFAULT_WEDGE_TIMEOUT_S:g}, or raise it for very slow steps",
         )  # fmt: skip
+
+
+def _compile_wanted(requested: bool | None, device: Any, cache_root: str | None) -> bool:
+    """compile=None (the default) compiles where torch.compile can run, unless $DFLASH_TRT_COMPILE=0;
+    compile=True where it cannot warns and serves eagerly. Points the compile cache at its root."""
+    from dflash_trt.engine.compile import unsupported_reason, use_cache_root
+
+    if requested is None:
+        requested = os.environ.get(COMPILE_ENV, "1") != "0"
+    if not requested:
+        return False
+    reason = unsupported_reason(device)
+    if reason is not None:
+        log.warning("compiled rounds are off: %s; serving with eager rounds", reason)
+        return False
+    log.info("compile cache: %s", use_cache_root(cache_root, device))
+    return True
+
+
+def _warm_up_compiled(engine: Any) -> None:
+    """Compile before traffic; a failed compilation falls back to eager rounds with a warning."""
+    import torch
+
+    try:
+        log.info("compiled rounds ready in %.1f s", engine.warm_up())
+    except Exception as exc:  # any compiler failure: serving eagerly beats not serving
+        log.warning(
+            "compiling the round failed (%s: %s); serving with eager rounds",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+        engine.fail_all()
+        engine.runner.disable_compile()
+        torch._dynamo.reset()
 
 
 def _resolve_pair(model: str, spec: DFlashDecodingConfig | None) -> ResolvedModels:
