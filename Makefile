@@ -1,6 +1,7 @@
 # dflash-trt: set-up and checks. Both entry points install what they need into ./.venv.
 #   make demo   run the main job on the embedded `tiny` default
-#   make test   ruff + import-linter + mypy + pytest
+#   make test   ruff + import-linter + mypy + pytest (its timing tests beside 2 busy processes)
+#   make test-under-load   only the timing tests, beside 2 busy processes
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -42,6 +43,17 @@ demo: $(STAMP)
 tiny-pair: $(STAMP)
 	$(PY) build/recipes/tiny_pair.py
 
+# The torch-backend serving image (build/docker/README.md), built with Debian's buildah from a base
+# made by mmdebstrap, then tested inside: make demo's serving part and an API-key smoke test. About
+# 20 min on 2 cores, so it is its own target (CI runs it after `make test`); needs root to install
+# buildah and mmdebstrap, and the network for Debian packages and PyPI wheels.
+.PHONY: image image-test
+image: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash build/docker/images.sh build
+
+image-test: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash build/docker/images.sh all
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests bench build
 	$(VENV)/bin/ruff format --check dflash_trt tests bench build
@@ -50,8 +62,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Tests marked `timing` (servers, schedules, deadlines) run beside BUSY processes that spin on the
+# CPU at the same priority: they must pass on a loaded machine, and every `make test` shows they do.
+BUSY ?= 2
+
 pytest: $(STAMP) $(TOOLS)/helm/helm
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --busy $(BUSY) $(PYTEST_ARGS)
+
+# Only the timing tests, under the same load (e.g. repeatedly: make test-under-load RUNS=5).
+RUNS ?= 1
+.PHONY: test-under-load
+test-under-load: $(STAMP) $(TOOLS)/helm/helm
+	for i in $$(seq $(RUNS)); do $(VENV)/bin/pytest -q -m timing --busy $(BUSY) $(PYTEST_ARGS) || exit 1; done
 
 test: lint typecheck pytest
 

@@ -6,7 +6,8 @@ one chunk of --tokens-per-chunk tokens every --chunk-gap), so every latency the 
 measure is known. The script reports the client's CPU cost per output token and per chunk, its
 event-loop lag, the achieved vs intended concurrency (and the server's peak in-flight count),
 and how far measured TTFT/TPOT drift from the schedule: a client that keeps up measures the
-schedule; one that does not inflates TPOT and lowers the achieved concurrency.
+schedule; one that does not inflates TPOT and lowers the achieved concurrency. The scripted server
+is the test double `tests/bench/scripted_server.py` (not in the wheel): run this from a checkout.
 
     .venv/bin/python bench/client_overhead.py --streams 256 --protocol triton-http
     .venv/bin/python bench/client_overhead.py --streams 512 --protocol triton-grpc --json
@@ -27,26 +28,21 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """The scripted server (a test double in tests/bench/, not in the wheel) in its own process."""
     cmd = [
-        sys.executable,
-        "-m",
-        "dflash_trt",
-        "bench",
-        "scripted-server",
-        "--port",
-        "0",
-        "--grpc-port",
-        "0" if args.protocol == "triton-grpc" else "-1",
-        "--ttft",
-        str(args.ttft),
-        "--chunk-gap",
-        str(args.chunk_gap),
-        "--tokens-per-chunk",
-        str(args.tokens_per_chunk),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        sys.executable, "-m", "tests.bench.scripted_server",
+        "--port", "0",
+        "--grpc-port", "0" if args.protocol == "triton-grpc" else "-1",
+        "--ttft", str(args.ttft),
+        "--chunk-gap", str(args.chunk_gap),
+        "--tokens-per-chunk", str(args.tokens_per_chunk),
+        "--start-together", str(args.start_together),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -78,6 +74,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--ttft", type=float, default=0.05)
     ap.add_argument("--chunk-gap", type=float, default=0.05)
     ap.add_argument("--tokens-per-chunk", type=int, default=4)
+    ap.add_argument(
+        "--start-together",
+        type=int,
+        default=0,
+        help="the server holds every schedule until this many requests are in (tests: a full wave)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "ttft_s": args.ttft,
             "chunk_gap_s": args.chunk_gap,
             "tokens_per_chunk": args.tokens_per_chunk,
+            "start_together": args.start_together,
         },
         "environment": {
             "date": datetime.now(timezone.utc).date().isoformat(),
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "ttft_expected_s": args.ttft,
         "ttft_p50_s": p["ttft_p50_s"],
         "ttft_p99_s": p["ttft_p99_s"],
+        "tokens_per_chunk_hist": p["tokens_per_chunk_hist"],
+        "output_tokens_total": p["output_tokens_total"],
         "tpot_expected_s": expected_tpot,
         "tpot_p50_s": p["tpot_p50_s"],
         "tpot_p99_s": p["tpot_p99_s"],

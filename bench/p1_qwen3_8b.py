@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from dflash_trt import LLM
     from dflash_trt.bench.shapes import get_shape, parameter_count, random_weights_on_load, write_pair
+    from dflash_trt.models.dflash_config import max_draft_len_for
 
     shape = get_shape(args.shape)
     gen = torch.Generator().manual_seed(args.seed)
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(tdir),
             speculative_config={
                 "decoding_type": "DFlash",
-                "max_draft_len": shape.block_size - 1,
+                "max_draft_len": max_draft_len_for(shape.block_size),
                 "speculative_model": str(ddir),
             },
             max_batch_size=args.batch,

@@ -225,6 +225,7 @@ def _engine_rows(args: argparse.Namespace, batch_sizes: list[int]) -> list[dict[
 
     from dflash_trt.api.llm import LLM, SamplingParams
     from dflash_trt.models.checkpoint import load_drafter_config
+    from dflash_trt.models.dflash_config import max_draft_len_for
     from dflash_trt.models.sources import resolve_models
 
     models = resolve_models(args.target, args.engine_drafter)
@@ -233,7 +234,7 @@ def _engine_rows(args: argparse.Namespace, batch_sizes: list[int]) -> list[dict[
     block = load_drafter_config(models.drafter_dir).block_size
     spec = {
         "decoding_type": "DFlash",
-        "max_draft_len": block - 1,
+        "max_draft_len": max_draft_len_for(block),
         "speculative_model": str(models.drafter_dir),
     }
     rows: list[dict[str, Any]] = []

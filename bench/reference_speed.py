@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from dflash_trt import LLM, SamplingParams
     from dflash_trt.models.checkpoint import load_drafter_config
+    from dflash_trt.models.dflash_config import max_draft_len_for
     from dflash_trt.models.sources import load_tokenizer
     from dflash_trt.tiny import heldout_prompts
 
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(tdir),
             speculative_config={
                 "decoding_type": "DFlash",
-                "max_draft_len": block - 1,
+                "max_draft_len": max_draft_len_for(block),
                 "speculative_model": str(ddir),
             },
             max_batch_size=1,

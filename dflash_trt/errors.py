@@ -61,7 +61,13 @@ class EnvironmentMissing(DFlashTrtError):
 
 class RequestError(UsageError, ValueError):
     """A single request has bad parameters; the engine keeps serving others. A ValueError too, as
-    TensorRT-LLM's LLM API raises for a bad request, so a server catches one type for both engines."""
+    TensorRT-LLM's LLM API raises for a bad request, so a server catches one type for both engines.
+    `field` names the request field at fault (`max_tokens`, `prompt`, `temperature`, ...), when one
+    is: the fronts report it as such (the OpenAI front's `param`), never by searching the message."""
+
+    def __init__(self, message: str, *, field: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.field = field
 
 
 class EngineDeadError(DFlashTrtError, RuntimeError):

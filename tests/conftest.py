@@ -9,6 +9,9 @@ greedy decoding bit for bit.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +32,58 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-goldens", action="store_true", help="rewrite golden files instead of comparing"
     )
+    parser.addoption(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run every test marked `timing` next to N busy processes (one spinning core each): "
+        "they must pass on a loaded machine (make test-under-load)",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    n = int(config.getoption("--busy"))
+    return f"timing tests run beside {n} busy processes (--busy {n})" if n > 0 else None
 
 
 @pytest.fixture
 def update_goldens(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-goldens"))
+
+
+@pytest.fixture(autouse=True)
+def _busy_neighbours(request: pytest.FixtureRequest) -> Iterator[None]:
+    """With --busy N, a `timing` test runs while N processes spin on the CPU at the same priority."""
+    n = int(request.config.getoption("--busy"))
+    if n <= 0 or request.node.get_closest_marker("timing") is None:
+        yield
+        return
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[[Sequence[str]], tuple[int, str, str]]:
+    """`code, out, err = cli(["build", ...])`: `dflash-trt ARGS` in this process, with its exit code
+    and what it wrote to stdout and stderr."""
+    from dflash_trt.cli import main
+
+    def run(args: Sequence[str]) -> tuple[int, str, str]:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
 VOCAB = 61

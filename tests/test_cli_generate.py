@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from dflash_trt.cli import main
-
 CONTRACT = {
     "output_ids": list,
     "acceptance_lengths": list,
@@ -20,16 +18,6 @@ CONTRACT = {
     "ttft_s": float,
     "decode_s": float,
 }
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_help_and_import_do_not_load_torch():
@@ -48,9 +36,9 @@ def test_help_and_import_do_not_load_torch():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_json_contract_on_tiny(capsys):
+def test_json_contract_on_tiny(cli):
     args = ["generate", "--target", "tiny", "--prompt", "def fib(n):", "--max-new-tokens", "24", "--json"]
-    code, out, _ = run(args, capsys)
+    code, out, _ = cli(args)
     assert code == 0
     lines = out.strip().splitlines()
     assert len(lines) == 1, "exactly one JSON object on stdout"
@@ -64,35 +52,29 @@ def test_json_contract_on_tiny(capsys):
     from dflash_trt.tiny import build_byte_tokenizer
 
     assert data["text"] == build_byte_tokenizer().decode(data["output_ids"], skip_special_tokens=True)
-    code, out2, _ = run([*args, "--no-draft"], capsys)
+    code, out2, _ = cli([*args, "--no-draft"])
     assert code == 0 and json.loads(out2)["output_ids"] == data["output_ids"]
     assert set(json.loads(out2)["acceptance_lengths"]) <= {1}
 
 
-def test_prompt_ids_sampling_and_block_size(capsys):
+def test_prompt_ids_sampling_and_block_size(cli):
     base = ["generate", "--target", "tiny", "--prompt-ids", "5,17,42", "--max-new-tokens", "16", "--json"]
-    code, out, _ = run(
-        [*base, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"], capsys
-    )
+    code, out, _ = cli([*base, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"])
     assert code == 0
     a = json.loads(out)
-    code, out, _ = run(
-        [*base, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"], capsys
-    )
+    code, out, _ = cli([*base, "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3"])
     assert json.loads(out)["output_ids"] == a["output_ids"]
-    code, out, _ = run([*base, "--block-size", "2"], capsys)
+    code, out, _ = cli([*base, "--block-size", "2"])
     assert code == 0 and max(json.loads(out)["acceptance_lengths"]) <= 2
 
 
-def test_human_output_reports_statistics(capsys):
-    code, out, err = run(
-        ["generate", "--target", "tiny", "--prompt", "x = ", "--max-new-tokens", "8"], capsys
-    )
+def test_human_output_reports_statistics(cli):
+    code, out, err = cli(["generate", "--target", "tiny", "--prompt", "x = ", "--max-new-tokens", "8"])
     assert code == 0 and out
     assert "mean acceptance length" in err and "rounds" in err
 
 
-def test_local_directories(tmp_models, capsys):
+def test_local_directories(tmp_models, cli):
     tdir, ddir = tmp_models("llama")
     args = [
         "generate",
@@ -105,11 +87,11 @@ def test_local_directories(tmp_models, capsys):
         "--max-new-tokens",
         "12",
     ]
-    code, out, _ = run([*args, "--json"], capsys)
+    code, out, _ = cli([*args, "--json"])
     assert code == 0
     data = json.loads(out)
     assert data["text"] is None and len(data["output_ids"]) == 12
-    code, out, _ = run([*args, "--json", "--no-draft"], capsys)
+    code, out, _ = cli([*args, "--json", "--no-draft"])
     assert json.loads(out)["output_ids"] == data["output_ids"]
 
 
@@ -133,12 +115,12 @@ def test_local_directories(tmp_models, capsys):
         (["--prompt", "a", "--prompt-ids", "1"], 2, r"exactly one of --prompt and --prompt-ids"),
     ],
 )
-def test_usage_errors_are_one_line(tmp_models, capsys, extra, code_want, pattern):
+def test_usage_errors_are_one_line(tmp_models, cli, extra, code_want, pattern):
     import re
 
     tdir, ddir = tmp_models("qwen3")
-    code, out, err = run(
-        ["generate", "--target", str(tdir), "--drafter", str(ddir), "--max-new-tokens", "4", *extra], capsys
+    code, out, err = cli(
+        ["generate", "--target", str(tdir), "--drafter", str(ddir), "--max-new-tokens", "4", *extra]
     )
     assert code == code_want
     assert re.search(pattern, err), err
@@ -146,14 +128,14 @@ def test_usage_errors_are_one_line(tmp_models, capsys, extra, code_want, pattern
     assert "Traceback" not in err
 
 
-def test_pair_errors(tmp_path, tmp_models, capsys):
+def test_pair_errors(tmp_path, tmp_models, cli):
     from dflash_trt.models.checkpoint import save_drafter
     from tests.conftest import make_drafter, make_target
 
     tdir, _ = tmp_models("qwen3")
     other = make_target("qwen3", hidden_size=40, head_dim=10)
     save_drafter(make_drafter(other), tmp_path / "wrong")
-    code, _, err = run(
+    code, _, err = cli(
         [
             "generate",
             "--target",
@@ -164,27 +146,24 @@ def test_pair_errors(tmp_path, tmp_models, capsys):
             "1",
             "--max-new-tokens",
             "2",
-        ],
-        capsys,
+        ]
     )
     assert code == 2 and "drafter.hidden_size=40: does not match the target's hidden_size=48" in err
-    code, _, err = run(
-        ["generate", "--target", str(tdir), "--prompt-ids", "1", "--max-new-tokens", "2"], capsys
-    )
+    code, _, err = cli(["generate", "--target", str(tdir), "--prompt-ids", "1", "--max-new-tokens", "2"])
     assert code == 2 and "no drafter for --target" in err and "--no-draft" in err
-    code, _, err = run(
-        ["generate", "--target", "no-such-model", "--prompt-ids", "1", "--max-new-tokens", "2"], capsys
+    code, _, err = cli(
+        ["generate", "--target", "no-such-model", "--prompt-ids", "1", "--max-new-tokens", "2"]
     )
     assert code == 2 and "neither a known model name nor a directory" in err
 
 
-def test_cuda_requested_without_cuda(tmp_models, capsys):
+def test_cuda_requested_without_cuda(tmp_models, cli):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     tdir, _ = tmp_models("qwen3")
-    code, _, err = run(
+    code, _, err = cli(
         [
             "generate",
             "--target",
@@ -196,20 +175,19 @@ def test_cuda_requested_without_cuda(tmp_models, capsys):
             "2",
             "--device",
             "cuda",
-        ],
-        capsys,
+        ]
     )
     assert code == 3 and "CUDA is not available" in err
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
-def test_embedded_engine_equals_reference_loop(tmp_models, capsys, arch):
+def test_embedded_engine_equals_reference_loop(tmp_models, cli, arch):
     tdir, ddir = tmp_models(arch)
     base = ["generate", "--target", str(tdir), "--drafter", str(ddir), "--prompt-ids", "4,8,15,16,23,42"]
     base += ["--max-new-tokens", "20", "--json"]
     outs = {}
     for engine in ("embedded", "reference"):
-        code, out, err = run([*base, "--engine", engine], capsys)
+        code, out, err = cli([*base, "--engine", engine])
         assert code == 0, err
         outs[engine] = json.loads(out)
     assert outs["embedded"]["output_ids"] == outs["reference"]["output_ids"]

@@ -75,7 +75,9 @@ class LLM:
 
     model: `tiny` or a transformers directory. speculative_config: a dict (YAML form) or
     DFlashDecodingConfig with decoding_type 'DFlash', max_draft_len, speculative_model (a z-lab
-    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency.
+    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency, and the dflash-trt
+    extension tree_budget (DDTree nodes per round; 0 = linear DFlash; refused until the engine
+    verifies trees, see spec/tree.py).
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
     enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
@@ -132,6 +134,14 @@ class LLM:
         # First: later imports (the tokenizer's) fix inductor's cache directory when they load inductor.
         compile = _compile_wanted(compile, self.device, compile_cache)
         spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
+        if spec is not None and spec.uses_tree:  # before any weights load
+            raise ConfigError(
+                "speculative_config.tree_budget",
+                spec.tree_budget,
+                "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
+                hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
+                "dflash-trt generate --engine reference --tree-budget 32",
+            )
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
         self.drafter_dir = models.drafter_dir if spec is not None else None
@@ -290,20 +300,24 @@ class LLM:
             if len(keys) != 1:
                 raise RequestError(
                     f"prompt dict with keys {sorted(inputs)} must have exactly one of "
-                    "'prompt' (text) or 'prompt_token_ids' (token ids)"
+                    "'prompt' (text) or 'prompt_token_ids' (token ids)",
+                    field="prompt",
                 )
             inputs = inputs[keys.pop()]
         if isinstance(inputs, str):
             if self.tokenizer is None:
                 raise RequestError(
-                    "a text prompt needs a tokenizer, and this model has none", hint="send token ids"
+                    "a text prompt needs a tokenizer, and this model has none",
+                    field="prompt",
+                    hint="send token ids",
                 )
             return inputs, list(self.tokenizer(inputs, add_special_tokens=False)["input_ids"])
         if isinstance(inputs, (list, tuple)):
             return None, list(inputs)  # the engine checks every id
         raise RequestError(
             f"prompt of type {type(inputs).__name__} is not a string, a list of token ids, "
-            "{'prompt': str} or {'prompt_token_ids': [...]}"
+            "{'prompt': str} or {'prompt_token_ids': [...]}",
+            field="prompt",
         )
 
     def _abort(self, handle: GenerationHandle) -> None:
@@ -589,7 +603,7 @@ def _engine_config(
         kv_max_tokens=kv.max_tokens,
         kv_free_memory_fraction=kv.free_gpu_memory_fraction or 0.9,
         cuda_graphs=not enforce_eager and (cuda_graph_config is None or cg is not None),
-        graph_batch_sizes=tuple(sorted(cg.batch_sizes)) if cg is not None and cg.batch_sizes else None,
+        graph_batch_sizes=cg.graph_batch_sizes(fields["max_batch_size"]) if cg is not None else None,
         **fields,
     )
 

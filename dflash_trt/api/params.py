@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_trt.errors import RequestError
+from dflash_trt.engine.request import DEFAULT_MAX_TOKENS
+from dflash_trt.errors import ConfigError, RequestError
 
 
 @dataclass(kw_only=True)
@@ -17,9 +18,10 @@ class SamplingParams:
     ignores the end id but keeps explicit stop_token_ids. `min_tokens` defers stopping (it does not
     mask the end token's probability: output stays distributed as the target's).
     `greedy_draft` (dflash-trt extension): at T > 0 propose argmax drafts (one-hot rule).
+    `pad_id` is refused: outputs are never padded (each request's tokens come back at their own length).
     """
 
-    max_tokens: int = 32
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -43,18 +45,29 @@ class SamplingParams:
     greedy_draft: bool = False
 
     def check_supported(self) -> None:
-        """Refuse what the embedded engine does not implement (several outputs, penalties).
+        """Refuse what the embedded engine does not implement (several outputs, penalties, padding).
         Every other field is validated by the engine when the request is added."""
         if self.n != 1 or (self.best_of not in (None, 1)):
             raise RequestError(
-                f"n={self.n}, best_of={self.best_of}: only one output per request is supported"
+                f"n={self.n}, best_of={self.best_of}: only one output per request is supported",
+                field="n" if self.n != 1 else "best_of",
             )
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise RequestError(f"{name}={getattr(self, name)} is not supported by the embedded engine")
+                raise RequestError(
+                    f"{name}={getattr(self, name)} is not supported by the embedded engine", field=name
+                )
         if self.repetition_penalty not in (None, 1, 1.0):
             raise RequestError(
-                f"repetition_penalty={self.repetition_penalty} is not supported by the embedded engine"
+                f"repetition_penalty={self.repetition_penalty} is not supported by the embedded engine",
+                field="repetition_penalty",
+            )
+        if self.pad_id is not None:
+            raise RequestError(
+                f"pad_id={self.pad_id!r}: the embedded engine never pads outputs (each request's tokens "
+                "come back at their own length)",
+                field="pad_id",
+                hint="omit pad_id",
             )
 
 
@@ -70,6 +83,52 @@ class KvCacheConfig:
 
 @dataclass
 class CudaGraphConfig:
+    """TensorRT-LLM's CUDA-graph settings, as the embedded engine honours them.
+
+    The engine runs every decode round in the graph of the smallest captured batch size that holds
+    the batch (padding the rest), so no batch runs outside a graph: `enable_padding` must stay true,
+    and graphs go up to the LLM's max_batch_size (a smaller `max_batch_size` here is refused).
+    `batch_sizes` sets the capture ladder (max_batch_size is appended); None keeps the engine's.
+    """
+
     batch_sizes: list[int] | None = None
-    max_batch_size: int | None = None
+    max_batch_size: int | None = None  # None or 0 (TensorRT-LLM's default): the LLM's max_batch_size
     enable_padding: bool = True
+
+    def graph_batch_sizes(self, llm_max_batch_size: int) -> tuple[int, ...] | None:
+        """The batch sizes to capture (None: the engine's default ladder), or ConfigError for a
+        setting the engine cannot honour."""
+        if self.enable_padding is not True:
+            raise ConfigError(
+                "cuda_graph_config.enable_padding",
+                self.enable_padding,
+                "the embedded engine always pads a batch up to the next captured size",
+                hint="omit enable_padding or pass true",
+            )
+        sizes = sorted(set(self.batch_sizes)) if self.batch_sizes else None
+        if sizes and any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ConfigError(
+                "cuda_graph_config.batch_sizes",
+                self.batch_sizes,
+                "must be integers >= 1",
+                hint="e.g. [1, 2, 4, 8]",
+            )
+        top = self.max_batch_size or None
+        if top is None:
+            return tuple(sizes) if sizes else None
+        if sizes and top != sizes[-1]:
+            raise ConfigError(
+                "cuda_graph_config.max_batch_size",
+                top,
+                f"differs from max(batch_sizes)={sizes[-1]}",
+                hint="set one of the two (TensorRT-LLM's rule)",
+            )
+        if isinstance(top, bool) or not isinstance(top, int) or top < llm_max_batch_size:
+            raise ConfigError(
+                "cuda_graph_config.max_batch_size",
+                top,
+                f"is below max_batch_size={llm_max_batch_size}: the embedded engine runs every batch in a "
+                "captured graph, so it captures up to max_batch_size",
+                hint=f"omit it, or set it to {llm_max_batch_size} or more",
+            )
+        return tuple(sizes) if sizes else None

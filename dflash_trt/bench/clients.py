@@ -11,6 +11,10 @@ Protocols: `triton-http` (`/v2/models/{m}/generate_stream`, SSE), `triton-grpc` 
 `ModelStreamInfer` through `tritonclient.grpc`'s protos on a `grpc.aio` channel: the aio client's
 `stream_infer` refuses the reserved `triton_enable_empty_final_response` parameter, so requests
 are built here), `openai-completions` and `openai-chat` (SSE with `stream_options`).
+
+With an API key every client sends it on every request (`Authorization: Bearer` on HTTP, Triton's
+`triton-grpc-protocol-authorization` metadata on gRPC); a server that refuses the key (or wants
+one) fails the probe with a one-line error, before any timed work.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from dflash_trt.bench.workload import Prompt
 from dflash_trt.errors import DFlashTrtError, UsageError
 from dflash_trt.openai_front.protocol import DFLASH_FIELD, DFLASH_STATS
 from dflash_trt.triton.kserve import decode_first_raw, decode_first_typed, encode_raw
+from dflash_trt.utils.api_key import ENV_VAR, ApiKey
 
 PROTOCOLS = ("triton-grpc", "triton-http", "openai-completions", "openai-chat")
+# How Triton refuses a call without the key of a restricted protocol (gRPC status UNAVAILABLE).
+RESTRICTED = "This protocol is restricted"
 
 # Speculative / timing outputs of the Triton model, copied per response into RawResult.spec.
 SPEC_OUTPUTS = (
@@ -123,6 +130,15 @@ def _count(v: Any) -> int | None:
     return None if f is None else round(f)
 
 
+def _refused(url: str, what: str, api_key: ApiKey | None) -> UsageError:
+    """The server wants a key we lack, or refused the one we sent."""
+    if api_key is None:
+        return UsageError(f"the server at --url={url} requires an API key ({what})",
+                          hint=f"pass --api-key-file FILE or set ${ENV_VAR}")  # fmt: skip
+    return UsageError(f"the server at --url={url} refused the API key from {api_key.source} ({what})",
+                      hint="send the key the server was started with")  # fmt: skip
+
+
 def _unreachable(url: str, exc: BaseException, default_port: str) -> DFlashTrtError:
     return DFlashTrtError(
         f"cannot reach the server at --url={url} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
@@ -134,9 +150,17 @@ class Client:
     protocol = ""
 
     def __init__(
-        self, url: str, model: str, sampling: Sampling, *, request_timeout_s: float, max_streams: int
+        self,
+        url: str,
+        model: str,
+        sampling: Sampling,
+        *,
+        request_timeout_s: float,
+        max_streams: int,
+        api_key: ApiKey | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.api_key = api_key
         self.model = model
         self.sampling = sampling
         self.request_timeout_s = request_timeout_s
@@ -208,7 +232,8 @@ class _HttpClient(Client):
         # limit=0: no connection cap (aiohttp's default of 100 queues requests above 100 streams)
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        headers = self.api_key.http_headers() if self.api_key is not None else None
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
         self._aiohttp = aiohttp
 
     async def close(self) -> None:
@@ -220,6 +245,10 @@ class _HttpClient(Client):
         try:
             async with self._session.get(self.url + path) as resp:
                 text = await resp.text()
+                if resp.status in (401, 403):
+                    raise _refused(
+                        self.url, f"GET {path}: HTTP {resp.status} {_error_body(text)}", self.api_key
+                    )
                 try:
                     body = json.loads(text) if text else None
                 except json.JSONDecodeError:
@@ -436,6 +465,7 @@ class TritonGrpcClient(Client):
             ("grpc.use_local_subchannel_pool", 1),  # one connection per channel
         ]
         self._channels = [grpc.aio.insecure_channel(self._target(), options=opts) for _ in range(n)]
+        self._metadata = self.api_key.grpc_metadata() if self.api_key is not None else None
         self._stubs = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in self._channels]
         self._next = 0
         self._idle: list[_GrpcStream] = []
@@ -452,14 +482,18 @@ class TritonGrpcClient(Client):
             ready = await stub.ServerReady(pb.ServerReadyRequest(), timeout=15)
             if not ready.ready:
                 info.notes.append("ServerReady answered ready=false")
-            meta = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=15)
+            meta = await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=15, metadata=self._metadata)
             info.server = {"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
         except grpc.aio.AioRpcError as exc:
+            if RESTRICTED in (exc.details() or ""):
+                raise _refused(self.url, f"gRPC {exc.code().name}: {exc.details()}", self.api_key) from exc
             raise _unreachable(
                 self.url, exc, "Triton gRPC listens on 8001 by default; pass host:port"
             ) from exc
         try:
-            md = await stub.ModelMetadata(pb.ModelMetadataRequest(name=self.model), timeout=15)
+            md = await stub.ModelMetadata(
+                pb.ModelMetadataRequest(name=self.model), timeout=15, metadata=self._metadata
+            )
             info.model_inputs = {t.name: t.datatype for t in md.inputs}
             info.model_outputs = [t.name for t in md.outputs]
         except grpc.aio.AioRpcError as exc:
@@ -492,7 +526,7 @@ class TritonGrpcClient(Client):
             return self._idle.pop()
         stub = self._stubs[self._next % len(self._stubs)]
         self._next += 1
-        return _GrpcStream(stub)
+        return _GrpcStream(stub, self._metadata)
 
     async def send(self, payload: Any, raw: RawResult) -> None:
         stream = await self._acquire()
@@ -571,9 +605,9 @@ class _GrpcStream:
     Requests never overlap on a stream, so every response belongs to the request in flight.
     """
 
-    def __init__(self, stub: Any) -> None:
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...] | None) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._call = stub.ModelStreamInfer(self._requests())
+        self._call = stub.ModelStreamInfer(self._requests(), metadata=metadata)
         self._responses = self._call.__aiter__()
 
     async def _requests(self) -> AsyncIterator[Any]:
@@ -709,7 +743,14 @@ class OpenAIChatClient(OpenAIClient):
 
 
 def make_client(
-    protocol: str, url: str, model: str, sampling: Sampling, *, request_timeout_s: float, max_streams: int
+    protocol: str,
+    url: str,
+    model: str,
+    sampling: Sampling,
+    *,
+    request_timeout_s: float,
+    max_streams: int,
+    api_key: ApiKey | None = None,
 ) -> Client:
     classes: dict[str, type[Client]] = {
         "triton-http": TritonHttpClient,
@@ -720,5 +761,5 @@ def make_client(
     if protocol not in classes:
         raise UsageError(f"--protocol={protocol!r}: unknown", hint=f"pick one of {', '.join(PROTOCOLS)}")
     return classes[protocol](
-        url, model, sampling, request_timeout_s=request_timeout_s, max_streams=max_streams
+        url, model, sampling, request_timeout_s=request_timeout_s, max_streams=max_streams, api_key=api_key
     )

@@ -64,49 +64,90 @@ def compare_runs(
     levels: Sequence[float] | None = None,
     num_grid: int = 6,
 ) -> dict[str, Any]:
+    """Run A against run B along their Pareto frontiers (y against x): at equal x, at equal y, at
+    each shared concurrency, and where A stops paying (the definitions travel with the result)."""
     fa = frontier(a["points"], x=x, y=y)
     fb = frontier(b["points"], x=x, y=y)
-    xs_a, xs_b = [float(p[x]) for p in fa], [float(p[x]) for p in fb]
-    ys_a, ys_b = [float(p[y]) for p in fa], [float(p[y]) for p in fb]
-
+    x_range = overlap([float(p[x]) for p in fa], [float(p[x]) for p in fb])
+    y_range = overlap([float(p[y]) for p in fa], [float(p[y]) for p in fb])
     iso_x: list[dict[str, Any]] = []
-    x_range = overlap(xs_a, xs_b)
     if x_range is not None:
-        wanted = (
-            list(levels)
-            if levels
-            else sorted(
-                {
-                    *grid(*x_range, num_grid),
-                    *(v for v in STANDARD_INTERACTIVITY if x_range[0] <= v <= x_range[1]),
-                }
-            )
-        )
-        for q in wanted:
-            ya, yb = y_at_x(fa, q, x=x, y=y), y_at_x(fb, q, x=x, y=y)
-            iso_x.append(
-                {
-                    x: q,
-                    f"{y}_a": ya,
-                    f"{y}_b": yb,
-                    "speedup": _ratio(ya, yb),
-                    "cost_per_mtok_a": cost_per_million(ya, gpu_hour_usd),
-                    "cost_per_mtok_b": cost_per_million(yb, gpu_hour_usd),
-                }
-            )
+        wanted = list(levels) if levels else sorted(
+            {*grid(*x_range, num_grid), *(v for v in STANDARD_INTERACTIVITY if x_range[0] <= v <= x_range[1])}
+        )  # fmt: skip
+        iso_x = [_at_x(fa, fb, q, x=x, y=y, gpu_hour_usd=gpu_hour_usd) for q in wanted]
     iso_y: list[dict[str, Any]] = []
-    y_range = overlap(ys_a, ys_b)
     if y_range is not None:
         for q in grid(*y_range, num_grid):
             xa, xb = x_at_y(fa, q, x=x, y=y), x_at_y(fb, q, x=x, y=y)
             iso_y.append({y: q, f"{x}_a": xa, f"{x}_b": xb, "interactivity_ratio": _ratio(xa, xb)})
+    per_c = _per_concurrency(a["points"], b["points"], x=x, y=y, gpu_hour_usd=gpu_hour_usd)
+    cross_c, cross_note = crossover_concurrency(per_c)
+    return {
+        "a": _label(a, "A"),
+        "b": _label(b, "B"),
+        "x": x,
+        "y": y,
+        "gpu_hour_usd": gpu_hour_usd,
+        "definitions": _definitions(x, y),
+        "frontier_a": [{"key": p.get("key"), x: p.get(x), y: p.get(y)} for p in fa],
+        "frontier_b": [{"key": p.get("key"), x: p.get(x), y: p.get(y)} for p in fb],
+        "iso_interactivity": iso_x,
+        "iso_throughput": iso_y,
+        "per_concurrency": per_c,
+        "crossover_concurrency": cross_c,
+        "crossover_note": cross_note,
+        "crossover_interactivity": _crossover_x(fa, fb, x_range, x=x, y=y),
+    }
 
-    by_c_a = {p["concurrency"]: p for p in a["points"] if p.get("concurrency")}
-    by_c_b = {p["concurrency"]: p for p in b["points"] if p.get("concurrency")}
-    per_c: list[dict[str, Any]] = []
+
+def _definitions(x: str, y: str) -> dict[str, str]:
+    return {
+        "speedup": f"A's {y} / B's {y} at the same {x}, each read off its frontier by linear interpolation",
+        "interactivity_ratio": f"A's {x} / B's {x} at the same {y} (iso-throughput) or the same concurrency",
+        "throughput_ratio": f"A's {y} / B's {y} at the same concurrency",
+        "cost_per_mtok": "gpu_hour_usd / (y tokens/s/GPU * 3600) * 1e6",
+        "crossover_concurrency": "where throughput_ratio falls below 1 (log2-interpolated): speculation stops paying",
+        "crossover_interactivity": f"the highest {x} at which A's frontier throughput is below B's (null: never)",
+    }
+
+
+def _at_x(
+    fa: list[dict[str, Any]],
+    fb: list[dict[str, Any]],
+    q: float,
+    *,
+    x: str,
+    y: str,
+    gpu_hour_usd: float | None,
+) -> dict[str, Any]:
+    """Both frontiers read at x = q: their y, the speedup and the cost per million tokens."""
+    ya, yb = y_at_x(fa, q, x=x, y=y), y_at_x(fb, q, x=x, y=y)
+    return {
+        x: q,
+        f"{y}_a": ya,
+        f"{y}_b": yb,
+        "speedup": _ratio(ya, yb),
+        "cost_per_mtok_a": cost_per_million(ya, gpu_hour_usd),
+        "cost_per_mtok_b": cost_per_million(yb, gpu_hour_usd),
+    }
+
+
+def _per_concurrency(
+    points_a: list[dict[str, Any]],
+    points_b: list[dict[str, Any]],
+    *,
+    x: str,
+    y: str,
+    gpu_hour_usd: float | None,
+) -> list[dict[str, Any]]:
+    """The points both runs measured at the same concurrency, side by side."""
+    by_c_a = {p["concurrency"]: p for p in points_a if p.get("concurrency")}
+    by_c_b = {p["concurrency"]: p for p in points_b if p.get("concurrency")}
+    rows: list[dict[str, Any]] = []
     for c in sorted(set(by_c_a) & set(by_c_b)):
         pa, pb = by_c_a[c], by_c_b[c]
-        per_c.append(
+        rows.append(
             {
                 "concurrency": c,
                 f"{y}_a": pa.get(y),
@@ -121,42 +162,21 @@ def compare_runs(
                 "cost_per_mtok_b": cost_per_million(pb.get(y), gpu_hour_usd),
             }
         )
-    cross_c, cross_note = crossover_concurrency(per_c)
+    return rows
 
-    cross_x: float | None = None
-    if x_range is not None:
-        # the highest interactivity (on a fine grid) at which A's frontier is below B's
-        fine = grid(*x_range, 64)
-        below = [
-            q
-            for q in fine
-            if (r := _ratio(y_at_x(fa, q, x=x, y=y), y_at_x(fb, q, x=x, y=y))) is not None and r < 1.0
-        ]
-        cross_x = max(below) if below else None
 
-    return {
-        "a": _label(a, "A"),
-        "b": _label(b, "B"),
-        "x": x,
-        "y": y,
-        "gpu_hour_usd": gpu_hour_usd,
-        "definitions": {
-            "speedup": f"A's {y} / B's {y} at the same {x}, each read off its frontier by linear interpolation",
-            "interactivity_ratio": f"A's {x} / B's {x} at the same {y} (iso-throughput) or the same concurrency",
-            "throughput_ratio": f"A's {y} / B's {y} at the same concurrency",
-            "cost_per_mtok": "gpu_hour_usd / (y tokens/s/GPU * 3600) * 1e6",
-            "crossover_concurrency": "where throughput_ratio falls below 1 (log2-interpolated): speculation stops paying",
-            "crossover_interactivity": f"the highest {x} at which A's frontier throughput is below B's (null: never)",
-        },
-        "frontier_a": [{"key": p.get("key"), x: p.get(x), y: p.get(y)} for p in fa],
-        "frontier_b": [{"key": p.get("key"), x: p.get(x), y: p.get(y)} for p in fb],
-        "iso_interactivity": iso_x,
-        "iso_throughput": iso_y,
-        "per_concurrency": per_c,
-        "crossover_concurrency": cross_c,
-        "crossover_note": cross_note,
-        "crossover_interactivity": cross_x,
-    }
+def _crossover_x(
+    fa: list[dict[str, Any]], fb: list[dict[str, Any]], x_range: tuple[float, float] | None, *, x: str, y: str
+) -> float | None:
+    """The highest interactivity (on a fine grid) at which A's frontier is below B's."""
+    if x_range is None:
+        return None
+    below = [
+        q
+        for q in grid(*x_range, 64)
+        if (r := _ratio(y_at_x(fa, q, x=x, y=y), y_at_x(fb, q, x=x, y=y))) is not None and r < 1.0
+    ]
+    return max(below) if below else None
 
 
 def _f(v: Any, fmt: str = "{:.3g}") -> str:
@@ -167,51 +187,50 @@ def _f(v: Any, fmt: str = "{:.3g}") -> str:
     return str(v)
 
 
+def _cost_cells(row: dict[str, Any], money: bool) -> str:
+    """The $/Mtok columns of a row (with --gpu-hour-usd)."""
+    return (
+        f" {_f(row['cost_per_mtok_a'], '{:.4g}'):>9} {_f(row['cost_per_mtok_b'], '{:.4g}'):>9}"
+        if money
+        else ""
+    )
+
+
+def _table(lines: list[str], title: str, head: str, rows: list[str], empty: str) -> None:
+    lines += ["", title]
+    lines += [head, *rows] if rows else [empty]
+
+
 def format_text(r: dict[str, Any]) -> str:
     x, y = r["x"], r["y"]
     lines = [f"A = {r['a']}   B = {r['b']}   x = {x}   y = {y}"]
     money = r.get("gpu_hour_usd") is not None
-    lines.append("")
-    lines.append(f"At matched interactivity (speedup = A/B {y}):")
-    if r["iso_interactivity"]:
-        head = f"  {'tok/s/user':>11} {'A':>11} {'B':>11} {'speedup':>8}" + (
-            f" {'$/Mtok A':>9} {'$/Mtok B':>9}" if money else ""
-        )
-        lines.append(head)
-        for row in r["iso_interactivity"]:
-            s = f"  {_f(row[x]):>11} {_f(row[f'{y}_a']):>11} {_f(row[f'{y}_b']):>11} {_f(row['speedup'], '{:.2f}x'):>8}"
-            if money:
-                s += f" {_f(row['cost_per_mtok_a'], '{:.4g}'):>9} {_f(row['cost_per_mtok_b'], '{:.4g}'):>9}"
-            lines.append(s)
-    else:
-        lines.append("  the two frontiers share no interactivity range")
-    lines.append("")
-    lines.append(f"At matched throughput (ratio = A/B {x}):")
-    if r["iso_throughput"]:
-        lines.append(f"  {'tok/s/GPU':>11} {'A':>11} {'B':>11} {'ratio':>8}")
-        for row in r["iso_throughput"]:
-            lines.append(
-                f"  {_f(row[y]):>11} {_f(row[f'{x}_a']):>11} {_f(row[f'{x}_b']):>11} {_f(row['interactivity_ratio'], '{:.2f}x'):>8}"
-            )
-    else:
-        lines.append("  the two frontiers share no throughput range")
-    lines.append("")
-    lines.append("Per concurrency:")
-    if r["per_concurrency"]:
-        head = f"  {'conc':>5} {'tput A/B':>9} {'user A/B':>9} {'tau A':>6} {'tau B':>6}" + (
-            f" {'$/Mtok A':>9} {'$/Mtok B':>9}" if money else ""
-        )
-        lines.append(head)
-        for row in r["per_concurrency"]:
-            s = (
-                f"  {row['concurrency']:>5} {_f(row['throughput_ratio'], '{:.2f}x'):>9} {_f(row['interactivity_ratio'], '{:.2f}x'):>9}"
-                f" {_f(row['mean_acceptance_length_a'], '{:.2f}'):>6} {_f(row['mean_acceptance_length_b'], '{:.2f}'):>6}"
-            )
-            if money:
-                s += f" {_f(row['cost_per_mtok_a'], '{:.4g}'):>9} {_f(row['cost_per_mtok_b'], '{:.4g}'):>9}"
-            lines.append(s)
-    else:
-        lines.append("  no concurrency measured by both runs")
+    cost_head = f" {'$/Mtok A':>9} {'$/Mtok B':>9}" if money else ""
+    _table(
+        lines,
+        f"At matched interactivity (speedup = A/B {y}):",
+        f"  {'tok/s/user':>11} {'A':>11} {'B':>11} {'speedup':>8}" + cost_head,
+        [f"  {_f(row[x]):>11} {_f(row[f'{y}_a']):>11} {_f(row[f'{y}_b']):>11} {_f(row['speedup'], '{:.2f}x'):>8}"
+         + _cost_cells(row, money) for row in r["iso_interactivity"]],
+        "  the two frontiers share no interactivity range",
+    )  # fmt: skip
+    _table(
+        lines,
+        f"At matched throughput (ratio = A/B {x}):",
+        f"  {'tok/s/GPU':>11} {'A':>11} {'B':>11} {'ratio':>8}",
+        [f"  {_f(row[y]):>11} {_f(row[f'{x}_a']):>11} {_f(row[f'{x}_b']):>11} {_f(row['interactivity_ratio'], '{:.2f}x'):>8}"
+         for row in r["iso_throughput"]],
+        "  the two frontiers share no throughput range",
+    )  # fmt: skip
+    _table(
+        lines,
+        "Per concurrency:",
+        f"  {'conc':>5} {'tput A/B':>9} {'user A/B':>9} {'tau A':>6} {'tau B':>6}" + cost_head,
+        [f"  {row['concurrency']:>5} {_f(row['throughput_ratio'], '{:.2f}x'):>9} {_f(row['interactivity_ratio'], '{:.2f}x'):>9}"
+         f" {_f(row['mean_acceptance_length_a'], '{:.2f}'):>6} {_f(row['mean_acceptance_length_b'], '{:.2f}'):>6}"
+         + _cost_cells(row, money) for row in r["per_concurrency"]],
+        "  no concurrency measured by both runs",
+    )  # fmt: skip
     lines.append("")
     c = r["crossover_concurrency"]
     lines.append(

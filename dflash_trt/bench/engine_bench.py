@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dflash_trt.models.dflash_config import block_size_for, max_draft_len_for
+
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -72,18 +74,18 @@ def run_engine_benchmark(
     modes: tuple[str, ...] = ("ar", "dflash"),
     device: str = "auto",
     dtype: str = "auto",
+    tree_budget: int | str = 0,
     enforce_eager: bool = False,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     warmup: bool = True,
     progress: Any = None,
 ) -> dict[str, Any]:
-    import torch
-
-    from dflash_trt import __version__
-    from dflash_trt.api.llm import LLM, SamplingParams
-    from dflash_trt.models.checkpoint import load_drafter_config
+    """Each mode (ar: the target alone; dflash: with the drafter) at each batch size: one greedy
+    generate() of `max_tokens` per request, timed, with the round's phase times."""
     from dflash_trt.models.sources import resolve_models
+    from dflash_trt.spec.decoding_config import parse_tree_budget
 
+    tree = parse_tree_budget(tree_budget, field_name="tree_budget")  # before any model loads
     models = resolve_models(target, drafter)
     points: list[Point] = []
     config: dict[str, Any] = {
@@ -97,85 +99,115 @@ def run_engine_benchmark(
         "prompts": len(prompts),
         "enforce_eager": enforce_eager,
     }
-    max_b = max(batch_sizes)
     for mode in modes:
-        spec = None
-        if mode == "dflash":
-            if models.drafter_dir is None:
-                raise ValueError("DFlash mode needs a drafter")
-            trained = load_drafter_config(models.drafter_dir).block_size
-            b = block_size or trained
-            spec = {
-                "decoding_type": "DFlash",
-                "max_draft_len": b - 1,
-                "speculative_model": str(models.drafter_dir),
-            }
-            config["block_size"] = b
-        llm = LLM(
-            str(models.target_dir),
-            speculative_config=spec,
-            max_batch_size=max_b,
-            max_num_tokens=max(2048, max_b * 64),
-            max_seq_len=max_tokens + 256,
-            device=device,
-            dtype=dtype,
-            enforce_eager=enforce_eager,
-            profile=True,
-        )
+        spec = _speculative_config(models, block_size, tree) if mode == "dflash" else None
+        if spec is not None:
+            config["block_size"] = block_size_for(spec["max_draft_len"])
+            config["tree_budget"] = tree
+        llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
+                      enforce_eager=enforce_eager)  # fmt: skip
         config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, return_perf_metrics=True)
         try:
             if warmup:  # first calls allocate, capture graphs and fill caches
+                from dflash_trt.api.llm import SamplingParams
+
                 llm.generate(list(prompts[:2]), SamplingParams(max_tokens=8, ignore_eos=True))
             for bs in batch_sizes:
                 batch = [prompts[i % len(prompts)] for i in range(bs)]
-                runner = llm.engine.runner
-                before = dict(vars(runner.times))
-                if llm.device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                outs: list[Any] = llm.generate(batch, sp)  # type: ignore[assignment]
-                wall = time.perf_counter() - t0
-                after = vars(runner.times)
-                delta = {
-                    k: after[k] - before[k] for k in ("draft_s", "verify_s", "accept_s", "round_s", "rounds")
-                }
-                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-                rounds_all = [
-                    a
-                    for o in outs
-                    for a in o.outputs[0].request_perf_metrics.speculative_decoding.acceptance_lengths
-                ]
-                firsts = [o.outputs[0].request_perf_metrics.timing_metrics.first_token_time for o in outs]
-                lasts = [o.outputs[0].request_perf_metrics.timing_metrics.last_token_time for o in outs]
-                decode_window = (max(lasts) - min(firsts)).total_seconds()
-                r = max(1, int(delta["rounds"]))
-                overhead = delta["round_s"] - delta["draft_s"] - delta["verify_s"] - delta["accept_s"]
-                points.append(
-                    Point(
-                        mode=mode,
-                        batch_size=bs,
-                        output_tokens=n_out,
-                        wall_s=wall,
-                        output_tokens_per_s=n_out / wall,
-                        decode_tokens_per_s=(n_out - bs) / decode_window
-                        if decode_window > 0
-                        else float("nan"),
-                        tau=(sum(rounds_all) / len(rounds_all)) if rounds_all else None,
-                        rounds=int(delta["rounds"]),
-                        draft_ms_per_round=1e3 * delta["draft_s"] / r,
-                        verify_ms_per_round=1e3 * delta["verify_s"] / r,
-                        accept_ms_per_round=1e3 * delta["accept_s"] / r,
-                        overhead_ms_per_round=1e3 * overhead / r,
-                        peak_memory_mb=_peak_memory_mb(llm.device.type),
-                    )
-                )
+                points.append(_measure(llm, mode, batch, max_tokens=max_tokens))
                 if progress is not None:
                     progress(points[-1])
         finally:
             llm.shutdown()
-    config["environment"] = {
+    config["environment"] = _environment()
+    return {"config": config, "points": [asdict(p) for p in points], "speedup": _speedups(points)}
+
+
+def _speculative_config(models: Any, block_size: int | None, tree: int | str) -> dict[str, Any]:
+    """DFlash at `block_size` (default: the drafter's trained block); DDTree when tree != 0."""
+    from dflash_trt.models.checkpoint import load_drafter_config
+
+    if models.drafter_dir is None:
+        raise ValueError("DFlash mode needs a drafter")
+    b = block_size or load_drafter_config(models.drafter_dir).block_size
+    spec: dict[str, Any] = {
+        "decoding_type": "DFlash",
+        "max_draft_len": max_draft_len_for(b),
+        "speculative_model": str(models.drafter_dir),
+    }
+    if tree != 0:
+        spec["tree_budget"] = tree
+    return spec
+
+
+def _engine(
+    models: Any, spec: dict[str, Any] | None, *, batch_sizes: list[int], max_tokens: int, **kwargs: Any
+) -> Any:
+    """An LLM sized for the largest batch, with per-phase round times (profile=True)."""
+    from dflash_trt.api.llm import LLM
+
+    max_b = max(batch_sizes)
+    return LLM(
+        str(models.target_dir),
+        speculative_config=spec,
+        max_batch_size=max_b,
+        max_num_tokens=max(2048, max_b * 64),
+        max_seq_len=max_tokens + 256,
+        profile=True,
+        **kwargs,
+    )
+
+
+def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point:
+    """One timed generate() of the whole batch, with the phase times its rounds added."""
+    import torch
+
+    from dflash_trt.api.llm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, return_perf_metrics=True)
+    runner = llm.engine.runner
+    before = dict(vars(runner.times))
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    outs: list[Any] = llm.generate(batch, sp)
+    wall = time.perf_counter() - t0
+    after = vars(runner.times)
+    delta = {k: after[k] - before[k] for k in ("draft_s", "verify_s", "accept_s", "round_s", "rounds")}
+    metrics = [o.outputs[0].request_perf_metrics for o in outs]
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    rounds_all = [a for m in metrics for a in m.speculative_decoding.acceptance_lengths]
+    decode_window = (
+        max(m.timing_metrics.last_token_time for m in metrics)
+        - min(m.timing_metrics.first_token_time for m in metrics)
+    ).total_seconds()
+    r = max(1, int(delta["rounds"]))
+    overhead = delta["round_s"] - delta["draft_s"] - delta["verify_s"] - delta["accept_s"]
+    bs = len(batch)
+    return Point(
+        mode=mode,
+        batch_size=bs,
+        output_tokens=n_out,
+        wall_s=wall,
+        output_tokens_per_s=n_out / wall,
+        decode_tokens_per_s=(n_out - bs) / decode_window if decode_window > 0 else float("nan"),
+        tau=(sum(rounds_all) / len(rounds_all)) if rounds_all else None,
+        rounds=int(delta["rounds"]),
+        draft_ms_per_round=1e3 * delta["draft_s"] / r,
+        verify_ms_per_round=1e3 * delta["verify_s"] / r,
+        accept_ms_per_round=1e3 * delta["accept_s"] / r,
+        overhead_ms_per_round=1e3 * overhead / r,
+        peak_memory_mb=_peak_memory_mb(llm.device.type),
+    )
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+
+    from dflash_trt import __version__
+
+    return {
         "dflash_trt": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -185,7 +217,6 @@ def run_engine_benchmark(
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d"),
     }
-    return {"config": config, "points": [asdict(p) for p in points], "speedup": _speedups(points)}
 
 
 def _speedups(points: list[Point]) -> dict[str, float]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -92,19 +91,6 @@ def definitions_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-_STAT = re.compile(r"_(mean|p\d+(?:_\d+)?)(?=(_s)?$)")
-
-
-def definition_for(key: str) -> str | None:
-    """The definition of a point key: exact, or of its family (ttft_p90_s -> ttft_s, ..._p50 -> ..._pX)."""
-    if key in DEFINITIONS:
-        return DEFINITIONS[key]
-    for candidate in (_STAT.sub("", key), _STAT.sub("_pX", key), _STAT.sub("", key) + "_s"):
-        if candidate in DEFINITIONS:
-            return DEFINITIONS[candidate]
-    return None
-
-
 @dataclass(slots=True)
 class RawResult:
     """What a client saw for one request (absolute perf_counter times). Filled on the hot path."""
@@ -180,18 +166,6 @@ class RequestRecord:
         return asdict(self)
 
     @property
-    def itls(self) -> list[float]:
-        """Per-token intervals (see DEFINITIONS['itl_s']); empty without per-chunk token counts."""
-        if not self.chunk_tokens or not self.chunk_offsets_s:
-            return []
-        out = [0.0] * (self.chunk_tokens[0] - 1)
-        for j in range(1, len(self.chunk_offsets_s)):
-            k = self.chunk_tokens[j]
-            if k > 0:
-                out.extend([(self.chunk_offsets_s[j] - self.chunk_offsets_s[j - 1]) / k] * k)
-        return out
-
-    @property
     def icls(self) -> list[float]:
         c = self.chunk_offsets_s
         return [c[j] - c[j - 1] for j in range(1, len(c))]
@@ -232,13 +206,70 @@ def build_record(
     retokenizer: Retokenizer | None,
 ) -> RequestRecord:
     """Turn what the client saw into a record (token counts, chunks, TTFT, TPOT, tau)."""
-    n = len(raw.times)
+    counts = _token_counts(raw, retokenizer)
     error = raw.error
+    if error is None and not counts.chunk_times:
+        error = "the response carried no output tokens"
+    ok = error is None
+    chunk_times, osl = counts.chunk_times, counts.total
+    ttft = chunk_times[0] - raw.send_t if chunk_times else None
+    e2el = chunk_times[-1] - raw.send_t if chunk_times else None
+    tpot = None
+    if ok and ttft is not None and e2el is not None and osl is not None and osl >= 2:
+        tpot = (e2el - ttft) / (osl - 1)
+    done_t = raw.done_t if raw.done_t is not None else (raw.times[-1] if raw.times else None)
+    in_server = raw.input_tokens_server
+    if in_server is not None:
+        input_tokens, in_source = in_server, "server"
+    elif input_tokens_client is not None:
+        input_tokens, in_source = input_tokens_client, "client tokenizer"
+    else:
+        input_tokens, in_source = None, None
+    return RequestRecord(
+        point=point,
+        phase=phase,
+        index=raw.index,
+        ok=ok,
+        error=error,
+        start_s=round(raw.send_t - t_ref, 7),
+        ttft_s=_round(ttft),
+        e2el_s=_round(e2el),
+        done_s=_round(done_t - raw.send_t) if done_t is not None else None,
+        tpot_s=_round(tpot, 9),
+        input_tokens=input_tokens,
+        input_tokens_source=in_source,
+        input_tokens_client=input_tokens_client,
+        input_tokens_server=in_server,
+        output_tokens=osl if ok else None,
+        output_tokens_source=counts.source,
+        requested_output_tokens=requested_output_tokens,
+        finish_reason=raw.finish_reason,
+        num_responses=len(raw.times),
+        num_chunks=len(chunk_times),
+        chunk_offsets_s=[round(t - raw.send_t, 7) for t in chunk_times],
+        chunk_tokens=counts.chunk_tokens,
+        **_speculation(raw.spec),
+    )
+
+
+@dataclass(slots=True)
+class _Counts:
+    """Output tokens of one request: in all, per chunk and where the counts came from."""
+
+    total: int | None
+    source: str | None
+    chunk_times: list[float]  # arrival of every response that carried new tokens
+    chunk_tokens: list[int] | None  # tokens each of them carried (None: unknown per chunk)
+
+
+def _token_counts(raw: RawResult, retokenizer: Retokenizer | None) -> _Counts:
+    """Cumulative counts from the server on every response that grew the text; else the text
+    re-tokenised at response boundaries; else the server's final count alone."""
+    n = len(raw.times)
     lens = raw.text_lens
     grew = [lens[k] > (lens[k - 1] if k else 0) for k in range(n)]
     server_counts = [c for c in raw.counts if c is not None]
     per_response = bool(server_counts) and all(raw.counts[k] is not None for k in range(n) if grew[k])
-
     cum: list[int] | None = None
     osl: int | None = None
     source: str | None = None
@@ -258,42 +289,24 @@ def build_record(
     elif server_counts:
         osl = server_counts[-1]
         source = f"{raw.count_source or 'server'} (final only); no per-chunk counts"
-
+    if cum is None:
+        return _Counts(total=osl, source=source, chunk_times=[raw.times[k] for k in range(n) if grew[k]],
+                       chunk_tokens=None)  # fmt: skip
     chunk_times: list[float] = []
-    chunk_tokens: list[int] | None = None
-    if cum is not None:
-        chunk_tokens, prev = [], 0
-        for k in range(n):
-            if cum[k] > prev:
-                chunk_times.append(raw.times[k])
-                chunk_tokens.append(cum[k] - prev)
-                prev = cum[k]
-        if osl is None:
-            osl = prev
-    else:
-        chunk_times = [raw.times[k] for k in range(n) if grew[k]]
+    chunk_tokens: list[int] = []
+    prev = 0
+    for k in range(n):
+        if cum[k] > prev:
+            chunk_times.append(raw.times[k])
+            chunk_tokens.append(cum[k] - prev)
+            prev = cum[k]
+    return _Counts(total=prev if osl is None else osl, source=source, chunk_times=chunk_times,
+                   chunk_tokens=chunk_tokens)  # fmt: skip
 
-    if error is None and not chunk_times:
-        error = "the response carried no output tokens"
-    ok = error is None
-    ttft = chunk_times[0] - raw.send_t if chunk_times else None
-    e2el = chunk_times[-1] - raw.send_t if chunk_times else None
-    tpot = None
-    if ok and ttft is not None and e2el is not None and osl is not None and osl >= 2:
-        tpot = (e2el - ttft) / (osl - 1)
-    done_t = raw.done_t if raw.done_t is not None else (raw.times[-1] if raw.times else None)
 
-    in_server = raw.input_tokens_server
-    if in_server is not None:
-        input_tokens, in_source = in_server, "server"
-    elif input_tokens_client is not None:
-        input_tokens, in_source = input_tokens_client, "client tokenizer"
-    else:
-        input_tokens, in_source = None, None
-
-    spec = raw.spec
+def _speculation(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The record's speculative and server-timing fields from the latest server perf metrics."""
     accepted = _as_int(spec.get("total_accepted_draft_tokens"))
-    drafted = _as_int(spec.get("total_draft_tokens"))
     rounds = _as_int(spec.get("num_rounds"))
     tau_server = spec.get("mean_acceptance_length")
     tau: float | None = None
@@ -306,41 +319,16 @@ def build_record(
     arrival, first, last_ns = (
         spec.get(k) for k in ("arrival_time_ns", "first_token_time_ns", "last_token_time_ns")
     )
-    server_ttft = (first - arrival) / 1e9 if arrival and first else None
-    server_decode = (last_ns - first) / 1e9 if first and last_ns else None
-
-    return RequestRecord(
-        point=point,
-        phase=phase,
-        index=raw.index,
-        ok=ok,
-        error=error,
-        start_s=round(raw.send_t - t_ref, 7),
-        ttft_s=_round(ttft),
-        e2el_s=_round(e2el),
-        done_s=_round(done_t - raw.send_t) if done_t is not None else None,
-        tpot_s=_round(tpot, 9),
-        input_tokens=input_tokens,
-        input_tokens_source=in_source,
-        input_tokens_client=input_tokens_client,
-        input_tokens_server=in_server,
-        output_tokens=osl if ok else None,
-        output_tokens_source=source,
-        requested_output_tokens=requested_output_tokens,
-        finish_reason=raw.finish_reason,
-        num_responses=n,
-        num_chunks=len(chunk_times),
-        chunk_offsets_s=[round(t - raw.send_t, 7) for t in chunk_times],
-        chunk_tokens=chunk_tokens,
-        accepted_draft_tokens=accepted,
-        draft_tokens=drafted,
-        num_rounds=rounds,
-        acceptance_length=tau,
-        acceptance_length_source=tau_source,
-        acceptance_rate=None if rate is None else float(rate),
-        server_ttft_s=_round(server_ttft),
-        server_decode_s=_round(server_decode),
-    )
+    return {
+        "accepted_draft_tokens": accepted,
+        "draft_tokens": _as_int(spec.get("total_draft_tokens")),
+        "num_rounds": rounds,
+        "acceptance_length": tau,
+        "acceptance_length_source": tau_source,
+        "acceptance_rate": None if rate is None else float(rate),
+        "server_ttft_s": _round((first - arrival) / 1e9 if arrival and first else None),
+        "server_decode_s": _round((last_ns - first) / 1e9 if first and last_ns else None),
+    }
 
 
 def _as_int(v: Any) -> int | None:

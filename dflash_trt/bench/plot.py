@@ -188,11 +188,13 @@ class _Scale:
         return self.a + (v - self.lo) / (self.hi - self.lo) * (self.b - self.a)
 
 
+_W, _H = 900, 560  # the SVG's size, and its plot area's margins
+_LEFT, _RIGHT, _TOP, _BOTTOM = 80, 200, 40, 60
+
+
 def render_svg(
     runs: Sequence[tuple[str, dict[str, Any]]], *, x: str = DEFAULT_X, y: str = DEFAULT_Y, log: bool = False
 ) -> str:
-    W, H = 900, 560
-    left, right, top, bottom = 80, 200, 40, 60
     allpts = [t for _, s in runs for t in _xy(s.get("points", []), x, y)]
     if not allpts:
         raise UsageError(
@@ -206,14 +208,25 @@ def render_svg(
         xt, yt = _log_ticks(min(xs), max(xs)), _log_ticks(min(ys), max(ys))
     else:
         xt, yt = nice_ticks(0.0, max(xs) * 1.05), nice_ticks(0.0, max(ys) * 1.05)
-    sx = _Scale(min(xt[0], min(xs)), max(xt[-1], max(xs)), left, W - right, log)
-    sy = _Scale(min(yt[0], min(ys)), max(yt[-1], max(ys)), H - bottom, top, log)
-    e = html.escape
+    sx = _Scale(min(xt[0], min(xs)), max(xt[-1], max(xs)), _LEFT, _W - _RIGHT, log)
+    sy = _Scale(min(yt[0], min(ys)), max(yt[-1], max(ys)), _H - _BOTTOM, _TOP, log)
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" viewBox="0 0 {_W} {_H}" '
         'font-family="sans-serif" font-size="12">',
-        f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
+        f'<rect x="0" y="0" width="{_W}" height="{_H}" fill="white"/>',
+        *_svg_axes(sx, sy, xt, yt, x=x, y=y),
     ]
+    for i, (label, (_, s)) in enumerate(zip(legend_labels(runs), runs)):
+        parts += _svg_run(s, label, PALETTE[i % len(PALETTE)], i, sx, sy, x=x, y=y)
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _svg_axes(sx: _Scale, sy: _Scale, xt: list[float], yt: list[float], *, x: str, y: str) -> list[str]:
+    """Grid lines with their tick labels, the plot frame and the axis titles."""
+    left, right, top, bottom, W, H = _LEFT, _RIGHT, _TOP, _BOTTOM, _W, _H
+    e = html.escape
+    parts = []
     for v in xt:
         px = sx(v)
         parts.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{H - bottom}" stroke="#e5e5e5"/>')
@@ -232,32 +245,38 @@ def render_svg(
         f'<text x="18" y="{(top + H - bottom) / 2}" text-anchor="middle" transform="rotate(-90 18 {(top + H - bottom) / 2})">'
         f"{e(Y_AXES.get(y, y))}</text>"
     )
-    for i, (label, (_, s)) in enumerate(zip(legend_labels(runs), runs)):
-        color = PALETTE[i % len(PALETTE)]
-        for fx, fy, p in _xy(s.get("points", []), x, y):
+    return parts
+
+
+def _svg_run(
+    s: dict[str, Any], label: str, color: str, i: int, sx: _Scale, sy: _Scale, *, x: str, y: str
+) -> list[str]:
+    """One run: every point faint, its frontier as a line of tagged points, its legend entry (row i)."""
+    e = html.escape
+    parts = []
+    for fx, fy, p in _xy(s.get("points", []), x, y):
+        parts.append(
+            f'<circle cx="{sx(fx):.1f}" cy="{sy(fy):.1f}" r="3.5" fill="{color}" fill-opacity="0.3">'
+            f"<title>{e(_tooltip(label, p, x, y))}</title></circle>"
+        )
+    front = _xy(frontier(s.get("points", []), x=x, y=y), x, y)
+    if front:
+        path = " ".join(f"{sx(fx):.1f},{sy(fy):.1f}" for fx, fy, _ in front)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for fx, fy, p in front:
             parts.append(
-                f'<circle cx="{sx(fx):.1f}" cy="{sy(fy):.1f}" r="3.5" fill="{color}" fill-opacity="0.3">'
+                f'<circle cx="{sx(fx):.1f}" cy="{sy(fy):.1f}" r="4.5" fill="{color}">'
                 f"<title>{e(_tooltip(label, p, x, y))}</title></circle>"
             )
-        front = _xy(frontier(s.get("points", []), x=x, y=y), x, y)
-        if front:
-            path = " ".join(f"{sx(fx):.1f},{sy(fy):.1f}" for fx, fy, _ in front)
-            parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-            for fx, fy, p in front:
-                parts.append(
-                    f'<circle cx="{sx(fx):.1f}" cy="{sy(fy):.1f}" r="4.5" fill="{color}">'
-                    f"<title>{e(_tooltip(label, p, x, y))}</title></circle>"
-                )
-                parts.append(
-                    f'<text x="{sx(fx) + 6:.1f}" y="{sy(fy) - 6:.1f}" font-size="10" fill="{color}">{e(point_tag(p))}</text>'
-                )
-        ly = top + 10 + 20 * i
-        parts.append(
-            f'<line x1="{W - right + 15}" y1="{ly}" x2="{W - right + 40}" y2="{ly}" stroke="{color}" stroke-width="2"/>'
-        )
-        parts.append(f'<text x="{W - right + 46}" y="{ly + 4}">{e(label)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+            parts.append(
+                f'<text x="{sx(fx) + 6:.1f}" y="{sy(fy) - 6:.1f}" font-size="10" fill="{color}">{e(point_tag(p))}</text>'
+            )
+    ly = _TOP + 10 + 20 * i
+    parts.append(
+        f'<line x1="{_W - _RIGHT + 15}" y1="{ly}" x2="{_W - _RIGHT + 40}" y2="{ly}" stroke="{color}" stroke-width="2"/>'
+    )
+    parts.append(f'<text x="{_W - _RIGHT + 46}" y="{ly + 4}">{e(label)}</text>')
+    return parts
 
 
 def _tooltip(label: str, p: dict[str, Any], x: str, y: str) -> str:

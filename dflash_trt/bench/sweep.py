@@ -49,6 +49,8 @@ from dflash_trt.bench.metrics import (
 )
 from dflash_trt.bench.workload import PromptSource, WorkloadSpec, load_tokenizer
 from dflash_trt.errors import UsageError
+from dflash_trt.utils.api_key import ApiKey
+from dflash_trt.utils.io import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -316,12 +318,11 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
         "points": [],
     }
     if path.is_file() and not overwrite:
-        try:
-            old = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(
-                f"--out={out}: {path} is unreadable ({exc})", hint="pass a new --out, or --overwrite"
-            ) from exc
+        old = read_json_object(
+            path,
+            lambda problem: UsageError(f"--out={out}: {path} is unreadable: it {problem}",
+                                       hint="pass a new --out, or --overwrite"),
+        )  # fmt: skip
         if old.get("fingerprint") != fresh["fingerprint"]:
             old_cfg = old.get("config") or {}
             new_cfg = cfg.fingerprint_fields()
@@ -330,7 +331,9 @@ def open_run(cfg: SweepConfig, *, overwrite: bool) -> RunState:
                 f"--out={out} holds a run with another configuration ({'; '.join(diff[:6]) or 'fingerprint differs'})",
                 hint="pass a new --out, or --overwrite to discard the old run",
             )
-        kept = {k: old[k] for k in ("created_at", "environment", "server", "workload") if k in old}
+        kept: dict[str, Any] = {
+            k: old[k] for k in ("created_at", "environment", "server", "workload") if k in old
+        }
         state = RunState(out=out, summary={**fresh, **kept})
         state.done = {
             p["key"]: p for p in old.get("points", []) if p.get("fingerprint") == fresh["fingerprint"]
@@ -411,6 +414,7 @@ class _LagMonitor:
 class _Progress:
     def __init__(self, enabled: bool, total: int | None, desc: str) -> None:
         self.bar: Any = None
+        self.errors = 0
         if enabled:
             try:
                 from tqdm import tqdm
@@ -426,11 +430,13 @@ class _Progress:
                 dynamic_ncols=True,
             )
 
-    def update(self, errors: int) -> None:
+    def done(self, raw: RawResult) -> None:
+        """One request finished (the on_done callback of the load loops)."""
+        self.errors += raw.error is not None
         if self.bar is not None:
             self.bar.update(1)
-            if errors:
-                self.bar.set_postfix(errors=errors, refresh=False)
+            if self.errors:
+                self.bar.set_postfix(errors=self.errors, refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -528,16 +534,44 @@ async def _open_loop(
 
 
 # ------------------------------------------------------------------------------------- the sweep
+@dataclass
+class _ClientCost:
+    """What one phase cost the client: CPU seconds, wall seconds and event-loop lags."""
+
+    t_ref: float  # perf_counter at the start of the phase (records are relative to it)
+    cpu_s: float
+    wall_s: float
+    lags: list[float] = field(default_factory=list)
+
+    def metrics(self, *, out_tokens: int, chunks: int) -> dict[str, Any]:
+        cpu, wall, lags = self.cpu_s, self.wall_s, self.lags
+        return {
+            "client_cpu_s": cpu,
+            "client_wall_s": wall,
+            "client_cpu_util": cpu / wall if wall > 0 else None,
+            "client_cpu_us_per_output_token": cpu * 1e6 / out_tokens if out_tokens else None,
+            "client_cpu_us_per_chunk": cpu * 1e6 / chunks if chunks else None,
+            "client_loop_lag_p99_ms": percentile(lags, 99.0) * 1e3 if lags else None,
+            "client_loop_lag_max_ms": max(lags) * 1e3 if lags else None,
+        }
+
+
 PointCallback = Callable[[dict[str, Any]], None]
 
 
 class Sweep:
     def __init__(
-        self, cfg: SweepConfig, *, progress: bool = False, on_point: PointCallback | None = None
+        self,
+        cfg: SweepConfig,
+        *,
+        progress: bool = False,
+        on_point: PointCallback | None = None,
+        api_key: ApiKey | None = None,
     ) -> None:
         self.cfg = cfg
         self.progress = progress
         self.on_point = on_point
+        self.api_key = api_key  # sent, never recorded: not part of SweepConfig or its outputs
 
     def run(self, *, overwrite: bool = False) -> dict[str, Any]:
         cfg = self.cfg
@@ -590,6 +624,7 @@ class Sweep:
             cfg.sampling(),
             request_timeout_s=cfg.request_timeout_s,
             max_streams=streams,
+            api_key=self.api_key,
         )
         async with client:
             info = await client.probe()
@@ -606,87 +641,90 @@ class Sweep:
     async def _point(
         self, client: Client, spec: PointSpec, source: PromptSource, retok: Retokenizer | None
     ) -> dict[str, Any]:
-        cfg = self.cfg
-        # prompts and request bodies are built before any timed phase
+        """Warm-up, then the measured phase, of one point; prompts and request bodies are built
+        before either is timed."""
         warm_stream, meas_stream = f"{spec.key}/warmup", f"{spec.key}/measure"
         warm_payloads = [client.prepare(source.get(i, stream=warm_stream)) for i in range(spec.warmup)]
         pool = spec.pool_size()
         meas_prompts = [source.get(i, stream=meas_stream) for i in range(pool)]
         meas_payloads = [client.prepare(p) for p in meas_prompts]
-
-        records: list[RequestRecord] = []
         started_at = _now()
+        records: list[RequestRecord] = []
         warmup_summary = None
         if spec.warmup:
-            bar = _Progress(self.progress, spec.warmup, f"{cfg.label or 'run'} {spec.key} warm-up")
-            errs = [0]
-
-            def warm_done(raw: RawResult) -> None:
-                errs[0] += raw.error is not None
-                bar.update(errs[0])
-
-            t_ref = time.perf_counter()
-            try:
-                raws = await _closed_loop(
-                    client,
-                    warm_payloads,
-                    concurrency=min(spec.warmup_concurrency, spec.warmup),
-                    num_requests=spec.warmup,
-                    duration_s=None,
-                    on_done=warm_done,
-                )
-            finally:
-                bar.close()
-            warm_records = [
-                self._record(r, spec, "warmup", t_ref, source.get(r.index, stream=warm_stream), retok)
+            raws, cost = await self._timed(client, spec, warm_payloads, warmup=True)
+            warm = [
+                self._record(r, spec, "warmup", cost.t_ref, source.get(r.index, stream=warm_stream), retok)
                 for r in raws
             ]
-            self._check_counts(warm_records)
-            warmup_summary = summarize_warmup(warm_records)
-            records.extend(warm_records)
-
-        bar = _Progress(self.progress, spec.num_requests, f"{cfg.label or 'run'} {spec.key}")
-        errs = [0]
-
-        def done(raw: RawResult) -> None:
-            errs[0] += raw.error is not None
-            bar.update(errs[0])
-
-        lag = _LagMonitor()
-        lag.start()
-        cpu0, t_ref = time.process_time(), time.perf_counter()
-        try:
-            if spec.mode == "concurrency":
-                assert spec.concurrency is not None
-                raws = await _closed_loop(
-                    client,
-                    meas_payloads,
-                    concurrency=spec.concurrency,
-                    num_requests=spec.num_requests,
-                    duration_s=spec.duration_s,
-                    on_done=done,
-                )
-            else:
-                assert spec.request_rate is not None
-                raws = await _open_loop(
-                    client,
-                    meas_payloads,
-                    rate=spec.request_rate,
-                    burstiness=cfg.burstiness,
-                    max_concurrency=spec.concurrency,
-                    num_requests=spec.num_requests,
-                    duration_s=spec.duration_s,
-                    rng=random.Random(f"dflash-trt-bench-arrivals:{cfg.seed}:{spec.key}"),
-                    on_done=done,
-                )
-        finally:
-            cpu1, wall = time.process_time(), time.perf_counter() - t_ref
-            await lag.stop()
-            bar.close()
-        meas = [self._record(r, spec, "measure", t_ref, meas_prompts[r.index % pool], retok) for r in raws]
+            self._check_counts(warm)
+            warmup_summary = summarize_warmup(warm)
+            records.extend(warm)
+        raws, cost = await self._timed(client, spec, meas_payloads, warmup=False)
+        meas = [
+            self._record(r, spec, "measure", cost.t_ref, meas_prompts[r.index % pool], retok) for r in raws
+        ]
         self._check_counts(meas)
         records.extend(meas)
+        summary = self._summary(spec, meas, cost)
+        summary.update(
+            {"warmup": warmup_summary, "started_at": started_at, "fingerprint": self.cfg.fingerprint()}
+        )
+        return {"summary": summary, "records": records}
 
+    async def _timed(
+        self, client: Client, spec: PointSpec, payloads: list[Any], *, warmup: bool
+    ) -> tuple[list[RawResult], _ClientCost]:
+        """One phase under the point's load, with the client's own CPU time and event-loop lag."""
+        n = spec.warmup if warmup else spec.num_requests
+        bar = _Progress(
+            self.progress, n, f"{self.cfg.label or 'run'} {spec.key}" + (" warm-up" if warmup else "")
+        )
+        lag = _LagMonitor()
+        if not warmup:
+            lag.start()
+        cpu0, t_ref = time.process_time(), time.perf_counter()
+        try:
+            if warmup:
+                concurrency = min(spec.warmup_concurrency, spec.warmup)
+                raws = await _closed_loop(client, payloads, concurrency=concurrency, num_requests=n,
+                                          duration_s=None, on_done=bar.done)  # fmt: skip
+            else:
+                raws = await self._load(client, spec, payloads, on_done=bar.done)
+        finally:
+            cost = _ClientCost(
+                t_ref=t_ref, cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - t_ref
+            )
+            if not warmup:
+                await lag.stop()
+                cost.lags = lag.lags
+            bar.close()
+        return raws, cost
+
+    async def _load(
+        self, client: Client, spec: PointSpec, payloads: list[Any], *, on_done: Callable[[RawResult], None]
+    ) -> list[RawResult]:
+        """The measured requests: a closed loop at the point's concurrency, or open-loop arrivals."""
+        if spec.mode == "concurrency":
+            assert spec.concurrency is not None
+            return await _closed_loop(client, payloads, concurrency=spec.concurrency, num_requests=spec.num_requests,
+                                      duration_s=spec.duration_s, on_done=on_done)  # fmt: skip
+        assert spec.request_rate is not None
+        return await _open_loop(
+            client,
+            payloads,
+            rate=spec.request_rate,
+            burstiness=self.cfg.burstiness,
+            max_concurrency=spec.concurrency,
+            num_requests=spec.num_requests,
+            duration_s=spec.duration_s,
+            rng=random.Random(f"dflash-trt-bench-arrivals:{self.cfg.seed}:{spec.key}"),
+            on_done=on_done,
+        )
+
+    def _summary(self, spec: PointSpec, meas: list[RequestRecord], cost: _ClientCost) -> dict[str, Any]:
+        """The point's entry in summary.json: what it was, every metric, and what the client spent."""
+        cfg = self.cfg
         summary: dict[str, Any] = {
             "key": spec.key,
             "label": cfg.label,
@@ -700,31 +738,15 @@ class Sweep:
             summarize_point(meas, num_gpus=cfg.num_gpus, concurrency=spec.concurrency, slo=cfg.slo())
         )
         if spec.mode == "request_rate":
+            starts = [r.start_s for r in meas]
             summary["achieved_request_rate"] = (
-                (len(meas) - 1) / (max(r.start_s for r in meas) - min(r.start_s for r in meas))
-                if len(meas) > 1
-                else None
+                (len(meas) - 1) / (max(starts) - min(starts)) if len(meas) > 1 else None
             )
-        cpu = cpu1 - cpu0
-        out_tokens = summary["output_tokens_total"] or 0
+        summary["intended_concurrency"] = spec.concurrency
         summary.update(
-            {
-                "intended_concurrency": spec.concurrency,
-                "client_cpu_s": cpu,
-                "client_wall_s": wall,
-                "client_cpu_util": cpu / wall if wall > 0 else None,
-                "client_cpu_us_per_output_token": cpu * 1e6 / out_tokens if out_tokens else None,
-                "client_cpu_us_per_chunk": cpu * 1e6 / summary["num_chunks"]
-                if summary["num_chunks"]
-                else None,
-                "client_loop_lag_p99_ms": percentile(lag.lags, 99.0) * 1e3 if lag.lags else None,
-                "client_loop_lag_max_ms": max(lag.lags) * 1e3 if lag.lags else None,
-                "warmup": warmup_summary,
-                "started_at": started_at,
-                "fingerprint": cfg.fingerprint(),
-            }
+            cost.metrics(out_tokens=summary["output_tokens_total"] or 0, chunks=summary["num_chunks"])
         )
-        return {"summary": summary, "records": records}
+        return summary
 
     def _record(
         self,
@@ -759,9 +781,10 @@ def run_sweep(
     overwrite: bool = False,
     progress: bool = False,
     on_point: PointCallback | None = None,
+    api_key: ApiKey | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one sweep; returns the summary dict (also in OUT/summary.json)."""
-    return Sweep(cfg, progress=progress, on_point=on_point).run(overwrite=overwrite)
+    return Sweep(cfg, progress=progress, on_point=on_point, api_key=api_key).run(overwrite=overwrite)
 
 
 def load_summary(run_dir: str | Path) -> dict[str, Any]:

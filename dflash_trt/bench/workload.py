@@ -147,15 +147,7 @@ class PromptSource:
     def _render(self, content: str) -> str:
         if not self.chat:
             return content
-        assert self.tokenizer is not None
-        return str(
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}],
-                tokenize=False,
-                add_generation_prompt=True,
-                enable_thinking=self.spec.thinking,
-            )
-        )
+        return self._render_messages([{"role": "user", "content": content}])
 
     def _render_messages(self, messages: list[dict[str, str]]) -> str:
         assert self.tokenizer is not None

@@ -24,6 +24,7 @@ from typing import Any
 from dflash_trt.builder import hub
 from dflash_trt.builder.source import ModelSource
 from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.utils.io import read_json_object
 
 INDEX = "model.safetensors.index.json"
 
@@ -176,12 +177,6 @@ class ConfigReader:
 
 
 def _read(path: Path, where: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(
-            f"{path} (from {where}) is not readable JSON ({exc})", hint="replace the file"
-        ) from exc
-    if not isinstance(data, dict):
-        raise UsageError(f"{path} (from {where}) is not a JSON object", hint="replace the file")
-    return data
+    return read_json_object(
+        path, lambda problem: UsageError(f"{path} (from {where}) {problem}", hint="replace the file")
+    )

@@ -21,6 +21,21 @@ MODEL_NAME = "tensorrt_llm"
 CHECKPOINTS = "engine/checkpoints"
 
 
+def bundle_files(*, serve_script: bool) -> dict[str, str]:
+    """What a bundle holds, by role: the relative path of each file (the serve script only for
+    TensorRT-LLM bundles)."""
+    files = {"manifest": "manifest.json", "llm_api": "engine/llm_api.yaml"}
+    if serve_script:
+        files["serve_script"] = "engine/serve-trtllm.sh"
+    files.update(
+        model_repository="model_repository",
+        helm_values="helm-values.yaml",
+        bench_plan="bench-plan.yaml",
+        readme="BUNDLE.md",
+    )
+    return files
+
+
 @dataclass
 class BuildRequest:
     """The user's inputs (CLI flags), recorded verbatim in the manifest."""
@@ -42,9 +57,14 @@ class BuildRequest:
     calib_samples: int = 64
     offline: bool = False
     device: str | None = None  # torch backend: where the embedded engine runs (auto/cpu/cuda)
+    no_remote_code: bool = False  # refuse a plan that needs trust_remote_code (builder/remote_code.py)
+    tree_budget: int | str | None = None  # torch backend: DDTree nodes per round (0 = linear), or "auto"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["tree_budget"] is None:  # an extension recorded only when asked for (older manifests lack it)
+            del out["tree_budget"]
+        return out
 
 
 @dataclass

@@ -107,7 +107,7 @@ def quantize_checkpoint(
     """PTQ of a transformers checkpoint directory into `out` (unified HF export). Returns a report."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -123,30 +123,9 @@ def quantize_checkpoint(
     model = model.to(device).eval()
     if not getattr(model.config, "architectures", None):  # ModelOpt's export needs it
         model.config.architectures = [type(model).__name__]
-    tokenizer = (
-        AutoTokenizer.from_pretrained(src)
-        if (src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file()
-        else None
+    forward_loop = _calibration_loop(
+        model, src, calib_texts, max_len=max_len, device=device, progress=progress
     )
-    vocab = model.get_input_embeddings().weight.shape[0]
-
-    def batches():
-        for text in calib_texts:
-            if tokenizer is not None:
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_len]
-            else:
-                ids = [b % vocab for b in text.encode()][:max_len]
-            if ids:
-                yield torch.tensor([ids], device=device)
-
-    def forward_loop(m) -> None:
-        items = list(batches())
-        for i, ids in enumerate(items):
-            with torch.no_grad():
-                m(ids)
-            if progress is not None:
-                progress(i + 1, len(items))
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -171,6 +150,39 @@ def quantize_checkpoint(
             f"ModelOpt export in {out} carries no quant_algo", hint="report this with the logs"
         )
     return {"hf_quant_config": hq, "calibration_samples": len(calib_texts), "recipe": RECIPE_NAMES[fmt]}
+
+
+def _calibration_loop(
+    model: Any, src: Path, texts: list[str], *, max_len: int, device: str,
+    progress: Callable[[int, int], None] | None,
+) -> Callable[[Any], None]:  # fmt: skip
+    """ModelOpt's forward_loop: every calibration text (the checkpoint's tokenizer, else bytes
+    modulo the vocabulary), at most max_len tokens each, through the model being calibrated."""
+    import torch
+    from transformers import AutoTokenizer
+
+    has_tokenizer = (src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(src) if has_tokenizer else None
+    vocab = model.get_input_embeddings().weight.shape[0]
+
+    def batches():
+        for text in texts:
+            if tokenizer is not None:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_len]
+            else:
+                ids = [b % vocab for b in text.encode()][:max_len]
+            if ids:
+                yield torch.tensor([ids], device=device)
+
+    def forward_loop(m: Any) -> None:
+        items = list(batches())
+        for i, ids in enumerate(items):
+            with torch.no_grad():
+                m(ids)
+            if progress is not None:
+                progress(i + 1, len(items))
+
+    return forward_loop
 
 
 def quantize_drafter_fp8(src: Path, out: Path) -> dict[str, Any]:

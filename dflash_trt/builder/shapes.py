@@ -8,7 +8,7 @@ from typing import Any
 
 from dflash_trt.builder.plan import BuildRequest
 from dflash_trt.builder.source import ModelSource, ResolvedPair
-from dflash_trt.models.dflash_config import DFlashConfig
+from dflash_trt.models.dflash_config import DFlashConfig, max_draft_len_for
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def common_sections(
     speculative = {
         "decoding_type": "DFlash",
         "block_size": block,
-        "max_draft_len": block - 1,  # the one place the build derives it
+        "max_draft_len": max_draft_len_for(block),
         "trained_block_size": dcfg.block_size,
     }
     return target, drafter, speculative

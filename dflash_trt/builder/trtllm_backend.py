@@ -15,7 +15,15 @@ from typing import Any
 
 from dflash_trt.builder.gpus import GpuProfile
 from dflash_trt.builder.llm_api import validate_llm_api
-from dflash_trt.builder.plan import CHECKPOINTS, MODEL_NAME, BuildPlan, BuildRequest, bundle_name
+from dflash_trt.builder.plan import (
+    CHECKPOINTS,
+    MODEL_NAME,
+    BuildPlan,
+    BuildRequest,
+    bundle_files,
+    bundle_name,
+)
+from dflash_trt.builder.remote_code import decide_remote_code
 from dflash_trt.builder.shapes import (
     bytes_per_param,
     common_sections,
@@ -28,7 +36,7 @@ from dflash_trt.builder.shapes import (
 )
 from dflash_trt.builder.source import ResolvedPair
 from dflash_trt.errors import UsageError
-from dflash_trt.models.dflash_config import DFlashConfig
+from dflash_trt.models.dflash_config import DFlashConfig, max_draft_len_for
 
 TRTLLM_MIN_VERSION = "1.3.0rc (first release with DFlash, TensorRT-LLM PR #12794)"
 TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:26.10-trtllm-python-py3"
@@ -138,36 +146,10 @@ def memory_check(
     pair: ResolvedPair, profile: GpuProfile, fmt: str, kv_dtype: str, limits: dict[str, int], tp: int
 ) -> dict[str, Any]:
     """Weights + KV cache for max_batch_size x max_seq_len per GPU vs the GPU's memory."""
-    cfg = pair.target.config
-    native = weights_native_format(cfg)
-    native_bytes = pair.target.extra.get("weights_bytes")
-    params = estimate_params(cfg)
-    if native_bytes and fmt == native:
-        weights = float(native_bytes)
-        source = "checkpoint index"
-    elif native_bytes and native == "bf16":
-        weights = float(native_bytes) * bytes_per_param(fmt) / 2.0
-        source = "checkpoint index, rescaled"
-    else:
-        weights = params * bytes_per_param(fmt)
-        source = "parameter estimate"
-    drafter_bytes = float((pair.drafter.extra.get("weights_bytes") if pair.drafter else 0) or 0)
-    if not drafter_bytes and pair.drafter is not None:
-        d = pair.drafter.config
-        hd = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
-        h, kvh, dd = (
-            int(d["num_attention_heads"]),
-            int(d.get("num_key_value_heads") or d["num_attention_heads"]),
-            int(d["hidden_size"]),
-        )
-        ids = (d.get("dflash_config") or {}).get("target_layer_ids") or [0] * int(d["num_hidden_layers"])
-        drafter_bytes = 2.0 * (
-            int(d["num_hidden_layers"])
-            * (2 * dd * h * hd + 2 * dd * kvh * hd + 3 * dd * int(d["intermediate_size"]))
-            + len(ids) * dd * dd
-        )
+    weights, source = _target_bytes(pair, fmt)
+    drafter_bytes = _drafter_bytes(pair)
     kv_tokens = limits["max_batch_size"] * limits["max_seq_len"]
-    kv = kv_bytes_per_token(cfg, kv_dtype, limits["max_seq_len"]) * kv_tokens
+    kv = kv_bytes_per_token(pair.target.config, kv_dtype, limits["max_seq_len"]) * kv_tokens
     per_gpu = (weights + kv) / tp + drafter_bytes
     budget = profile.memory_gb * 1e9 * MEMORY_UTILISATION
     result = {
@@ -181,25 +163,53 @@ def memory_check(
         "tp": tp,
         "ok": per_gpu <= budget,
     }
-    if not result["ok"]:
-        need_tp = next(
-            (n for n in (2, 4, 8, 16, 32, 64) if n > tp and (weights + kv) / n + drafter_bytes <= budget),
-            None,
-        )
-        fixes = []
-        if need_tp:
-            fixes.append(f"--tp {need_tp}")
-        fixes.append("lower --max-batch-size or --max-seq-len")
-        if fmt == "bf16":
-            fixes.append("--quant fp8")
-        raise UsageError(
-            f"memory: weights {result['weights_gb']} GB + KV {result['kv_cache_gb']} GB "
-            f"({kv_tokens} tokens, {kv_dtype}) over TP={tp} + drafter {result['drafter_gb']} GB = "
-            f"{result['per_gpu_gb']} GB per GPU > {result['budget_per_gpu_gb']} GB usable on {profile.name} "
-            f"({profile.memory_gb:g} GB x {MEMORY_UTILISATION})",
-            hint=" or ".join(fixes),
-        )
-    return result
+    if result["ok"]:
+        return result
+    need_tp = next(
+        (n for n in (2, 4, 8, 16, 32, 64) if n > tp and (weights + kv) / n + drafter_bytes <= budget),
+        None,
+    )
+    fixes = [f"--tp {need_tp}"] if need_tp else []
+    fixes.append("lower --max-batch-size or --max-seq-len")
+    if fmt == "bf16":
+        fixes.append("--quant fp8")
+    raise UsageError(
+        f"memory: weights {result['weights_gb']} GB + KV {result['kv_cache_gb']} GB "
+        f"({kv_tokens} tokens, {kv_dtype}) over TP={tp} + drafter {result['drafter_gb']} GB = "
+        f"{result['per_gpu_gb']} GB per GPU > {result['budget_per_gpu_gb']} GB usable on {profile.name} "
+        f"({profile.memory_gb:g} GB x {MEMORY_UTILISATION})",
+        hint=" or ".join(fixes),
+    )
+
+
+def _target_bytes(pair: ResolvedPair, fmt: str) -> tuple[float, str]:
+    """The target's weights in `fmt`: from its checkpoint index when it has one, else estimated
+    from the parameter count; and which of the two."""
+    cfg = pair.target.config
+    native = weights_native_format(cfg)
+    native_bytes = pair.target.extra.get("weights_bytes")
+    if native_bytes and fmt == native:
+        return float(native_bytes), "checkpoint index"
+    if native_bytes and native == "bf16":
+        return float(native_bytes) * bytes_per_param(fmt) / 2.0, "checkpoint index, rescaled"
+    return estimate_params(cfg) * bytes_per_param(fmt), "parameter estimate"
+
+
+def _drafter_bytes(pair: ResolvedPair) -> float:
+    """The drafter's weights (bf16): from its checkpoint index, else from its config's shapes."""
+    if pair.drafter is None:
+        return 0.0
+    indexed = float(pair.drafter.extra.get("weights_bytes") or 0)
+    if indexed:
+        return indexed
+    d = pair.drafter.config
+    h = int(d["num_attention_heads"])
+    kvh = int(d.get("num_key_value_heads") or h)
+    dd = int(d["hidden_size"])
+    hd = int(d.get("head_dim") or dd // h)
+    ids = (d.get("dflash_config") or {}).get("target_layer_ids") or [0] * int(d["num_hidden_layers"])
+    per_layer = 2 * dd * h * hd + 2 * dd * kvh * hd + 3 * dd * int(d["intermediate_size"])
+    return 2.0 * (int(d["num_hidden_layers"]) * per_layer + len(ids) * dd * dd)
 
 
 def plan_trtllm(
@@ -226,28 +236,25 @@ def plan_trtllm(
         raise UsageError(
             f"--tp={tp} needs {tp} GPUs, nvidia-smi shows {detected_count}", hint=f"use --tp {detected_count}"
         )
-    max_seq = req.max_seq_len or min(int(t.get("max_position_embeddings") or 8192), 8192)
     limits = {
         "max_batch_size": req.max_batch_size or 64,
-        "max_seq_len": max_seq,
+        "max_seq_len": req.max_seq_len or min(int(t.get("max_position_embeddings") or 8192), 8192),
         "max_num_tokens": req.max_num_tokens or (16384 if family == "gpt_oss" else 8192),
     }
     memory = memory_check(pair, profile, fmt, kv_dtype, limits, tp)
-
-    quantized = source in ("modelopt", "mxfp4-cast")
-    target_ref = f"{CHECKPOINTS}/target-{fmt}" if quantized else pair.target.ref
+    target_ref = f"{CHECKPOINTS}/target-{fmt}" if source in ("modelopt", "mxfp4-cast") else pair.target.ref
     assert pair.drafter is not None
     drafter_ref = f"{CHECKPOINTS}/drafter-fp8" if req.quantize_drafter else pair.drafter.ref
+    remote = decide_remote_code(pair, refuse=req.no_remote_code)
     target, drafter, speculative = common_sections(
         req, pair, dcfg, block, target_ref=target_ref, drafter_ref=drafter_ref
     )
     llm_api = _llm_api_config(
         req, profile, dcfg, block, family=family, moe=is_moe(cfg), tp=tp, kv_dtype=kv_dtype, limits=limits,
-        target_ref=target_ref, drafter_ref=drafter_ref,
+        target_ref=target_ref, drafter_ref=drafter_ref, trust_remote_code=remote.trust,
     )  # fmt: skip
     validation = {"llm_api": validate_llm_api(llm_api), "memory": memory}
     validation["pair"] = {"ok": True, "block_size": block, "trained_block_size": dcfg.block_size}
-    weights_gb = memory["weights_gb"] + memory["drafter_gb"]
     return BuildPlan(
         request=req,
         name=bundle_name(req.target),
@@ -260,27 +267,23 @@ def plan_trtllm(
         limits=limits,
         llm_api=llm_api,
         triton_config=triton_config("tensorrt_llm"),
-        serving={
-            "model_name": MODEL_NAME,
-            "image": TRTLLM_IMAGE,
-            "startup_budget_s": int(600 + 25 * weights_gb),
-            "weights_gb": round(weights_gb, 2),
-            "engine": "tensorrt_llm",
-            "trtllm_min_version": TRTLLM_MIN_VERSION,
-        },
+        serving=_serving(memory["weights_gb"] + memory["drafter_gb"]),
         validation=validation,
-        files={
-            "manifest": "manifest.json",
-            "llm_api": "engine/llm_api.yaml",
-            "serve_script": "engine/serve-trtllm.sh",
-            "model_repository": "model_repository",
-            "helm_values": "helm-values.yaml",
-            "bench_plan": "bench-plan.yaml",
-            "readme": "BUNDLE.md",
-        },
+        files=bundle_files(serve_script=True),
         copies={},
-        notes=_notes(req, source),
+        notes=[*_notes(req, source), remote.note],
     )
+
+
+def _serving(weights_gb: float) -> dict[str, Any]:
+    return {
+        "model_name": MODEL_NAME,
+        "image": TRTLLM_IMAGE,
+        "startup_budget_s": int(600 + 25 * weights_gb),
+        "weights_gb": round(weights_gb, 2),
+        "engine": "tensorrt_llm",
+        "trtllm_min_version": TRTLLM_MIN_VERSION,
+    }
 
 
 def _llm_api_config(
@@ -296,11 +299,12 @@ def _llm_api_config(
     limits: dict[str, int],
     target_ref: str,
     drafter_ref: str,
+    trust_remote_code: bool,
 ) -> dict[str, Any]:
     """TensorRT-LLM's LLM-API arguments (PyTorch backend) with the DFlash speculative config."""
     spec: dict[str, Any] = {
         "decoding_type": "DFlash",
-        "max_draft_len": block - 1,
+        "max_draft_len": max_draft_len_for(block),
         "speculative_model": drafter_ref,
         # TensorRT-LLM fills these from the drafter's config.json only for local directories.
         "mask_token_id": dcfg.mask_token_id,
@@ -318,8 +322,9 @@ def _llm_api_config(
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": limits["max_batch_size"]},
         "enable_attention_dp": False,
         "speculative_config": spec,
-        "trust_remote_code": True,
     }
+    if trust_remote_code:  # only when a repository needs it (builder/remote_code.py); default False
+        llm_api["trust_remote_code"] = True
     if moe:
         llm_api["moe_expert_parallel_size"] = req.ep
     if family == "gpt_oss" and profile.gpt_oss_moe_backend:

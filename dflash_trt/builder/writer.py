@@ -192,9 +192,6 @@ def write_bundle(
     progress: Callable[[str], None] = _say,
 ) -> dict[str, Any]:
     """Build the bundle in a temporary sibling of `output` and rename it into place."""
-    from dflash_trt.deploy.chart import helm_values_from_manifest
-    from dflash_trt.triton.repository import render_repository
-
     check_output(output, force)
     report: dict[str, Any] = {}
     with atomic_dir(output, overwrite=force) as tmp:
@@ -203,78 +200,98 @@ def write_bundle(
             link_or_copy_tree(
                 materialise(src, offline=plan.request.offline, hub_down=_hub_down(plan)), tmp / rel
             )
-        qt = plan.quantization["target"]
-        if qt["source"] == "modelopt":
-            from dflash_trt.builder.quant import load_calibration, quantize_checkpoint
-
-            rel = plan.llm_api["model"]
-            src_dir = materialise(
-                (plan.target["kind"] == "hf" and plan.target["hf_id"]) or plan.target["path"],
-                offline=plan.request.offline,
-                hub_down=_hub_down(plan),
-            )
-            texts = load_calibration(plan.request.calib_data, plan.request.calib_samples)
-            progress(
-                f"quantizing {src} to {qt['format'].upper()} with ModelOpt ({len(texts)} calibration samples)"
-            )
-            bar = _progress_bar(len(texts), "calibration")
-
-            def tick(done: int, total: int) -> None:
-                if bar is not None:
-                    bar.n = done
-                    bar.refresh()
-
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            report["target_quantization"] = quantize_checkpoint(
-                src_dir, tmp / rel, fmt=qt["format"], kv_fp8=qt["kv_cache"] == "fp8", calib_texts=texts,
-                device="cuda" if plan.gpu.get("count") and _cuda() else "cpu", progress=tick,
-            )  # fmt: skip
-            if bar is not None:
-                bar.close()
-        elif qt["source"] == "mxfp4-cast":
-            raise DFlashTrtError(
-                "the MXFP4 -> NVFP4 cast loads the whole target; run this build on a machine that holds it "
-                "(ModelOpt hf_ptq.py --qformat nvfp4_mlp_only --cast_mxfp4_to_nvfp4), or keep native MXFP4",
-                hint="use --dry-run here to get the plan, or drop --quant nvfp4",
-            )
+        target_report = _quantize_target(plan, tmp, progress)
+        if target_report is not None:
+            report["target_quantization"] = target_report
         if plan.quantization["drafter"]["format"] == "fp8":
-            from dflash_trt.builder.quant import quantize_drafter_fp8
-
-            rel = plan.drafter["ref"]
-            assert plan.drafter.get("path") or plan.drafter.get("hf_id")
-            drafter_dir = materialise(
-                plan.drafter.get("path") or plan.drafter["hf_id"],
-                offline=plan.request.offline,
-                hub_down=_hub_down(plan),
-            )
-            progress(f"quantizing the drafter to FP8 (weight-only) -> {rel}")
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            report["drafter_quantization"] = quantize_drafter_fp8(drafter_dir, tmp / rel)
-        (tmp / "engine").mkdir(exist_ok=True)
-        header = "# LLM-API arguments written by dflash-trt build; TensorRT-LLM field names.\n"
-        (tmp / plan.files["llm_api"]).write_text(header + dump_yaml(plan.llm_api))
-        if "serve_script" in plan.files:
-            script = tmp / plan.files["serve_script"]
-            script.write_text(serve_script(plan))
-            script.chmod(0o755)
-        progress("rendering the Triton model repository")
-        render_repository(
-            tmp / plan.files["model_repository"], llm_args=plan.llm_api, triton_config=plan.triton_config
-        )
-        manifest = plan.manifest()
-        manifest["build_report"] = report
-        (tmp / plan.files["manifest"]).write_text(dump_json(manifest))
-        values = helm_values_from_manifest(manifest)
-        (tmp / plan.files["helm_values"]).write_text(
-            f"# Helm values for bundle {plan.name} (dflash-trt build). helm install -f helm-values.yaml ...\n"
-            + dump_yaml(values)
-        )
-        (tmp / plan.files["bench_plan"]).write_text(
-            "# dflash-trt bench sweep --spec bench-plan.yaml (start the servers first; see the URLs)\n"
-            + dump_yaml(bench_plan(plan))
-        )
-        (tmp / plan.files["readme"]).write_text(bundle_readme(plan))
+            report["drafter_quantization"] = _quantize_drafter(plan, tmp, progress)
+        manifest = _write_files(plan, tmp, report, progress)
     progress(f"bundle written to {output}")
+    return manifest
+
+
+def _quantize_target(plan: BuildPlan, tmp: Path, progress: Callable[[str], None]) -> dict[str, Any] | None:
+    """ModelOpt quantization of the target into the bundle, when the plan asks for it."""
+    qt = plan.quantization["target"]
+    if qt["source"] == "mxfp4-cast":
+        raise DFlashTrtError(
+            "the MXFP4 -> NVFP4 cast loads the whole target; run this build on a machine that holds it "
+            "(ModelOpt hf_ptq.py --qformat nvfp4_mlp_only --cast_mxfp4_to_nvfp4), or keep native MXFP4",
+            hint="use --dry-run here to get the plan, or drop --quant nvfp4",
+        )
+    if qt["source"] != "modelopt":
+        return None
+    from dflash_trt.builder.quant import load_calibration, quantize_checkpoint
+
+    rel = plan.llm_api["model"]
+    src = (plan.target["kind"] == "hf" and plan.target["hf_id"]) or plan.target["path"]
+    src_dir = materialise(src, offline=plan.request.offline, hub_down=_hub_down(plan))
+    texts = load_calibration(plan.request.calib_data, plan.request.calib_samples)
+    progress(f"quantizing {src} to {qt['format'].upper()} with ModelOpt ({len(texts)} calibration samples)")
+    bar = _progress_bar(len(texts), "calibration")
+
+    def tick(done: int, total: int) -> None:
+        if bar is not None:
+            bar.n = done
+            bar.refresh()
+
+    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return quantize_checkpoint(
+            src_dir, tmp / rel, fmt=qt["format"], kv_fp8=qt["kv_cache"] == "fp8", calib_texts=texts,
+            device="cuda" if plan.gpu.get("count") and _cuda() else "cpu", progress=tick,
+        )  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _quantize_drafter(plan: BuildPlan, tmp: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    from dflash_trt.builder.quant import quantize_drafter_fp8
+
+    rel = plan.drafter["ref"]
+    assert plan.drafter.get("path") or plan.drafter.get("hf_id")
+    drafter_dir = materialise(
+        plan.drafter.get("path") or plan.drafter["hf_id"],
+        offline=plan.request.offline,
+        hub_down=_hub_down(plan),
+    )
+    progress(f"quantizing the drafter to FP8 (weight-only) -> {rel}")
+    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+    return quantize_drafter_fp8(drafter_dir, tmp / rel)
+
+
+def _write_files(
+    plan: BuildPlan, tmp: Path, report: dict[str, Any], progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """The LLM arguments, the serve script (trtllm), the Triton repository, manifest.json (the seam),
+    the Helm values, the bench plan and BUNDLE.md; returns the manifest."""
+    from dflash_trt.deploy.chart import helm_values_from_manifest
+    from dflash_trt.triton.repository import render_repository
+
+    (tmp / "engine").mkdir(exist_ok=True)
+    header = "# LLM-API arguments written by dflash-trt build; TensorRT-LLM field names.\n"
+    (tmp / plan.files["llm_api"]).write_text(header + dump_yaml(plan.llm_api))
+    if "serve_script" in plan.files:
+        script = tmp / plan.files["serve_script"]
+        script.write_text(serve_script(plan))
+        script.chmod(0o755)
+    progress("rendering the Triton model repository")
+    render_repository(
+        tmp / plan.files["model_repository"], llm_args=plan.llm_api, triton_config=plan.triton_config
+    )
+    manifest = plan.manifest()
+    manifest["build_report"] = report
+    (tmp / plan.files["manifest"]).write_text(dump_json(manifest))
+    (tmp / plan.files["helm_values"]).write_text(
+        f"# Helm values for bundle {plan.name} (dflash-trt build). helm install -f helm-values.yaml ...\n"
+        + dump_yaml(helm_values_from_manifest(manifest))
+    )
+    (tmp / plan.files["bench_plan"]).write_text(
+        "# dflash-trt bench sweep --spec bench-plan.yaml (start the servers first; see the URLs)\n"
+        + dump_yaml(bench_plan(plan))
+    )
+    (tmp / plan.files["readme"]).write_text(bundle_readme(plan))
     return manifest
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from dflash_trt.cli._api_key import api_key_from_options, api_key_options
 from dflash_trt.errors import UsageError
 
 # name -> "module:attribute"
@@ -25,7 +26,6 @@ SUBCOMMANDS: dict[str, str] = {
     "sweep": "dflash_trt.cli.bench:sweep",
     "plot": "dflash_trt.cli.bench:plot",
     "compare": "dflash_trt.cli.bench:compare",
-    "scripted-server": "dflash_trt.cli.bench:scripted_server",
     "engine": "dflash_trt.cli.bench_engine:engine",
 }
 # Optional one-line help per subcommand (keeps `bench --help` from importing the module).
@@ -33,7 +33,6 @@ SUBCOMMAND_HELP: dict[str, str] = {
     "sweep": "Sweep concurrency (or request rate) against a server; write summary.json, requests.jsonl, points.csv.",
     "plot": "Pareto frontiers (tokens/s/GPU vs tokens/s/user) of several runs: PNG or self-contained HTML.",
     "compare": "Run A vs run B: speedup at matched interactivity/throughput, cost, crossover concurrency.",
-    "scripted-server": "A protocol-exact test server with a known token schedule (Triton HTTP/gRPC, OpenAI).",
     "engine": "Offline embedded-engine benchmark: plain decoding vs DFlash across batch sizes.",
 }
 
@@ -142,7 +141,10 @@ def _key_values(values: Any, flag: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------- sweep
 # Options that only steer the command itself (not valid in a YAML spec).
-_COMMAND_ONLY = frozenset({"spec", "only", "dry_run", "as_json", "progress", "overwrite"})
+# Not sweep settings: never read from a spec file nor written to a run (the API key above all).
+_COMMAND_ONLY = frozenset(
+    {"spec", "only", "dry_run", "as_json", "progress", "overwrite", "api_key", "api_key_file"}
+)
 # option name -> SweepConfig field where they differ
 _FIELD = {
     "duration": "duration_s",
@@ -299,6 +301,7 @@ _FIELD = {
     default=None,
     help="Progress bars on stderr [default: when stderr is a terminal].",
 )
+@api_key_options(role="send with every request")
 @click.option("--dry-run", is_flag=True, help="Print the resolved runs and points as JSON; send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as one JSON object on stdout.")
 @click.pass_context
@@ -319,57 +322,63 @@ def sweep(ctx: click.Context, **kwargs: Any) -> None:
       dflash-trt bench sweep --spec bench/sweeps/tiny-dflash-vs-ar.yaml --only AR
     """
     runs = _resolve_runs(ctx, kwargs)
-    from dflash_trt.bench.sweep import SweepConfig, run_sweep
+    from dflash_trt.bench.sweep import SweepConfig
 
     configs = [SweepConfig(**r) for r in runs]
     for cfg in configs:
         cfg.validate()
+    key = api_key_from_options(kwargs["api_key"], kwargs["api_key_file"])
     if kwargs["dry_run"]:
-        plan = [
-            {
-                "label": c.label,
-                "out": c.out,
-                "fingerprint": c.fingerprint(),
-                "config": c.to_json(),
-                "points": [
-                    {
-                        "key": p.key,
-                        "num_requests": p.num_requests,
-                        "duration_s": p.duration_s,
-                        "warmup": p.warmup,
-                    }
-                    for p in c.points()
-                ],
-            }
-            for c in configs
-        ]
-        click.echo(json.dumps({"runs": plan}, indent=2))
+        click.echo(json.dumps({"runs": [_dry_run(c) for c in configs]}, indent=2))
         return
     progress = kwargs["progress"]
     if progress is None:
         progress = sys.stderr.isatty()
     as_json = kwargs["as_json"]
-    summaries = []
-    for cfg in configs:
-        name = cfg.label or cfg.out
-
-        def show(p: dict[str, Any], name: str = name) -> None:
-            if not as_json:
-                click.echo(_point_line(name, p))
-
-        try:
-            summaries.append(run_sweep(cfg, overwrite=kwargs["overwrite"], progress=progress, on_point=show))
-        except KeyboardInterrupt:
-            done = _count_points(cfg.out)
-            click.echo(
-                f"interrupted: {done} completed point(s) kept in {cfg.out}; run the same command again to resume",
-                err=True,
-            )
-            raise
-        if not as_json:
-            click.echo(f"[{name}] wrote {cfg.out}/summary.json, requests.jsonl, points.csv")
+    summaries = [
+        _run_one(cfg, overwrite=kwargs["overwrite"], progress=progress, as_json=as_json, api_key=key)
+        for cfg in configs
+    ]
     if as_json:
         click.echo(json.dumps({"runs": summaries}, default=str))
+
+
+def _dry_run(c: Any) -> dict[str, Any]:
+    """What --dry-run prints for one run: its resolved configuration and points."""
+    return {
+        "label": c.label,
+        "out": c.out,
+        "fingerprint": c.fingerprint(),
+        "config": c.to_json(),
+        "points": [
+            {"key": p.key, "num_requests": p.num_requests, "duration_s": p.duration_s, "warmup": p.warmup}
+            for p in c.points()
+        ],
+    }
+
+
+def _run_one(cfg: Any, *, overwrite: bool, progress: bool, as_json: bool, api_key: Any) -> dict[str, Any]:
+    """One run (a line per point as it completes, unless --json); Ctrl-C says what was kept."""
+    from dflash_trt.bench.sweep import run_sweep
+
+    name = cfg.label or cfg.out
+
+    def show(p: dict[str, Any]) -> None:
+        if not as_json:
+            click.echo(_point_line(name, p))
+
+    try:
+        summary = run_sweep(cfg, overwrite=overwrite, progress=progress, on_point=show, api_key=api_key)
+    except KeyboardInterrupt:
+        done = _count_points(cfg.out)
+        click.echo(
+            f"interrupted: {done} completed point(s) kept in {cfg.out}; run the same command again to resume",
+            err=True,
+        )
+        raise
+    if not as_json:
+        click.echo(f"[{name}] wrote {cfg.out}/summary.json, requests.jsonl, points.csv")
+    return summary
 
 
 def _count_points(out: str) -> int:
@@ -620,104 +629,3 @@ def compare(
     _check_axes([("A", a), ("B", b)], x_key, y_key)
     result = compare_runs(a, b, x=x_key, y=y_key, gpu_hour_usd=gpu_hour_usd, levels=levels)
     click.echo(json.dumps(result, indent=2) if as_json else format_text(result), nl=as_json)
-
-
-# ---------------------------------------------------------------------------------------- scripted server
-@click.command("scripted-server")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option(
-    "--port", type=click.IntRange(min=0), default=0, show_default=True, help="HTTP port (0 = any free port)."
-)
-@click.option(
-    "--grpc-port",
-    type=click.IntRange(min=-1),
-    default=0,
-    show_default=True,
-    help="gRPC port (0 = any free port, -1 = no gRPC).",
-)
-@click.option("--model", default="tensorrt_llm", show_default=True)
-@click.option(
-    "--ttft",
-    type=click.FloatRange(min=0.0),
-    default=0.05,
-    show_default=True,
-    help="Seconds to the first chunk.",
-)
-@click.option(
-    "--chunk-gap",
-    type=click.FloatRange(min=0.0),
-    default=0.02,
-    show_default=True,
-    help="Seconds between chunks.",
-)
-@click.option("--first-chunk-tokens", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option(
-    "--tokens-per-chunk",
-    type=INTS,
-    default="4",
-    show_default=True,
-    help="Tokens per later chunk (a list is cycled).",
-)
-@click.option(
-    "--draft-len",
-    type=click.IntRange(min=0),
-    default=7,
-    show_default=True,
-    help="Drafted tokens per round (block_size - 1).",
-)
-@click.option(
-    "--natural-output-tokens",
-    type=click.IntRange(min=1),
-    help="Stop after this many tokens unless ignore_eos/min_tokens.",
-)
-@click.option(
-    "--flavor",
-    type=click.Choice(["dflash", "trtllm"]),
-    default="dflash",
-    show_default=True,
-    help="Our model's I/O, or NVIDIA's llmapi model's.",
-)
-@click.option(
-    "--fail-every",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Every N-th request fails (0 = never).",
-)
-def scripted_server(
-    host: str,
-    port: int,
-    grpc_port: int,
-    model: str,
-    ttft: float,
-    chunk_gap: float,
-    first_chunk_tokens: int,
-    tokens_per_chunk: tuple[int, ...],
-    draft_len: int,
-    natural_output_tokens: int | None,
-    flavor: str,
-    fail_every: int,
-) -> None:
-    """Serve the scripted test server until Ctrl-C; prints {"http_url", "grpc_url"} on stdout.
-
-    Every request is answered on the same exact schedule (first chunk at --ttft, then one chunk
-    every --chunk-gap), so a sweep's metrics can be checked against closed forms.
-    """
-    import asyncio
-
-    from dflash_trt.testing.scripted_server import Script, ScriptedServer, run_until_cancelled
-
-    script = Script(
-        ttft_s=ttft,
-        chunk_gap_s=chunk_gap,
-        first_chunk_tokens=first_chunk_tokens,
-        tokens_per_chunk=tuple(tokens_per_chunk),
-        draft_len=draft_len,
-        natural_output_tokens=natural_output_tokens,
-        flavor=flavor,
-        fail_every=fail_every,
-    )
-    server = ScriptedServer(
-        script, model=model, host=host, http_port=port, grpc_port=None if grpc_port < 0 else grpc_port
-    )
-    asyncio.run(run_until_cancelled(server))

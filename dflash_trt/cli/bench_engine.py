@@ -44,6 +44,14 @@ def _ints(value: str, flag: str) -> list[int]:
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True
 )
+@click.option(
+    "--tree-budget",
+    metavar="N|auto",
+    default="0",
+    show_default=True,
+    help="DFlash mode verifies a DDTree of N drafted nodes per round (0 = linear DFlash; auto = chosen by "
+    "the engine). Not in the embedded engine yet: a non-zero budget is refused.",
+)
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON result to this file.")
@@ -56,6 +64,7 @@ def engine(
     modes: str,
     device: str,
     dtype: str,
+    tree_budget: str,
     enforce_eager: bool,
     as_json: bool,
     out: str | None,
@@ -89,6 +98,7 @@ def engine(
         modes=chosen,
         device=device,
         dtype=dtype,
+        tree_budget=tree_budget,
         enforce_eager=enforce_eager,
         progress=progress,
     )

@@ -71,6 +71,14 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     default=None,
     help="Runtime block size (<= trained; max_draft_len = B - 1).",
 )
+@click.option(
+    "--tree-budget",
+    metavar="N|auto",
+    default=None,
+    help="torch backend: verify a DDTree of N drafted nodes per round instead of the argmax chain "
+    "(0 = linear DFlash, the default; auto = chosen by the engine from round cost). TensorRT-LLM has no "
+    "tree verification.",
+)
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None)
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None)
@@ -96,6 +104,13 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     is_flag=True,
     help="Never contact the Hub (also HF_HUB_OFFLINE=1): configs come from $DFLASH_TRT_CONFIG_DIR, the "
     "Hugging Face cache, or the copies shipped with dflash-trt.",
+)
+@click.option(
+    "--no-remote-code",
+    is_flag=True,
+    help="Refuse checkpoints whose config needs their repository's own Python code (TensorRT-LLM's "
+    "trust_remote_code). Without it, trust_remote_code is set only when a config needs it; the plan's "
+    "notes say which and why.",
 )
 def build(**kw) -> None:
     """Build a deployment bundle: validated TensorRT-LLM DFlash config, checkpoints, Triton

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -83,49 +84,61 @@ def chart(
       dflash-trt chart --bundle build/out/tiny --render out.yaml --kube-version 1.29.0 --kube-version 1.33.0
     """
     from dflash_trt.deploy import chart as deploy
-    from dflash_trt.errors import DFlashTrtError
 
     chart_dir = chart_dir or deploy.default_chart_dir()
     values = deploy.load_values(bundle_dir, values_files)
     source = str(bundle_dir / deploy.VALUES_FILE) + "".join(f" + {p}" for p in values_files)
     if not do_lint and render_out is None and not kube_versions:
         do_lint = True
-
     if do_lint:
-        report = deploy.lint_chart(values, chart_dir=chart_dir, helm_binary=helm_binary, namespace=namespace)
-        for line in report.notes:
-            click.echo(f"lint: {line}", err=True)
-        for line in report.problems:
-            click.echo(f"lint: problem: {line}", err=True)
-        if not report.ok:
-            raise deploy.lint_failure(report, values_source=source)
-        click.echo(f"lint: ok: {chart_dir} with {source} ({report.tool})", err=True)
+        _lint(values, chart_dir, source=source, helm_binary=helm_binary, namespace=namespace)
+    if render_out is None and not kube_versions:
+        return
+    rendered = deploy.render_chart(
+        values, chart_dir=chart_dir, release=release, namespace=namespace, helm_binary=helm_binary
+    )
+    if kube_versions:
+        _validate(rendered, chart_dir, kube_versions)
+    if render_out is not None:
+        if str(render_out) == "-":
+            sys.stdout.write(rendered.text)
+        else:
+            from dflash_trt.utils.io import atomic_write_text
 
-    if render_out is not None or kube_versions:
-        rendered = deploy.render_chart(
-            values, chart_dir=chart_dir, release=release, namespace=namespace, helm_binary=helm_binary
+            atomic_write_text(render_out, rendered.text)
+            click.echo(f"render: wrote {len(rendered.documents)} objects to {render_out}", err=True)
+
+
+def _lint(values: dict, chart_dir: Path, *, source: str, helm_binary: Path | None, namespace: str) -> None:
+    """`helm lint` with the values; every note and problem on stderr, then exit 1 on a problem."""
+    from dflash_trt.deploy import chart as deploy
+
+    report = deploy.lint_chart(values, chart_dir=chart_dir, helm_binary=helm_binary, namespace=namespace)
+    for line in report.notes:
+        click.echo(f"lint: {line}", err=True)
+    for line in report.problems:
+        click.echo(f"lint: problem: {line}", err=True)
+    if not report.ok:
+        raise deploy.lint_failure(report, values_source=source)
+    click.echo(f"lint: ok: {chart_dir} with {source} ({report.tool})", err=True)
+
+
+def _validate(rendered: Any, chart_dir: Path, kube_versions: tuple[str, ...]) -> None:
+    """kubernetes-validate --strict of the rendered objects for each Kubernetes version."""
+    from dflash_trt.deploy import chart as deploy
+    from dflash_trt.errors import DFlashTrtError
+
+    problems = deploy.validate_manifests(
+        rendered.text, kube_versions=kube_versions, schema_dir=deploy.default_schema_dir(chart_dir)
+    )
+    for line in problems:
+        click.echo(f"validate: problem: {line}", err=True)
+    if problems:
+        raise DFlashTrtError(
+            f"rendered manifests fail kubernetes-validate --strict: {problems[0]}",
+            hint="fix the values or templates named above; every problem is listed on stderr",
         )
-        if kube_versions:
-            problems = deploy.validate_manifests(
-                rendered.text, kube_versions=kube_versions, schema_dir=deploy.default_schema_dir(chart_dir)
-            )
-            for line in problems:
-                click.echo(f"validate: problem: {line}", err=True)
-            if problems:
-                raise DFlashTrtError(
-                    f"rendered manifests fail kubernetes-validate --strict: {problems[0]}",
-                    hint="fix the values or templates named above; every problem is listed on stderr",
-                )
-            kinds = ", ".join(sorted({str(d.get("kind")) for d in rendered.documents}))
-            click.echo(
-                f"validate: ok: {len(rendered.documents)} objects ({kinds}) for {', '.join(kube_versions)}",
-                err=True,
-            )
-        if render_out is not None:
-            if str(render_out) == "-":
-                sys.stdout.write(rendered.text)
-            else:
-                from dflash_trt.utils.io import atomic_write_text
-
-                atomic_write_text(render_out, rendered.text)
-                click.echo(f"render: wrote {len(rendered.documents)} objects to {render_out}", err=True)
+    kinds = ", ".join(sorted({str(d.get("kind")) for d in rendered.documents}))
+    click.echo(
+        f"validate: ok: {len(rendered.documents)} objects ({kinds}) for {', '.join(kube_versions)}", err=True
+    )

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import click
 
+from dflash_trt.cli.options import device_option, dtype_option
 from dflash_trt.errors import UsageError
 
 
@@ -63,14 +67,8 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
 )
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at eos; generate exactly --max-new-tokens.")
 @click.option("--chat", is_flag=True, help="Wrap --prompt in the tokenizer's chat template (thinking off).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "auto"]),
-    default="auto",
-    show_default=True,
-    help="auto: float32 on CPU, bfloat16 on CUDA.",
-)
+@device_option()
+@dtype_option("auto: float32 on CPU, bfloat16 on CUDA.")
 @click.option(
     "--engine",
     type=click.Choice(["auto", "embedded", "reference"]),
@@ -79,132 +77,164 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
     help="embedded: the serving engine's native models; reference: the transformers-based reference "
     "loop (the oracle); auto: embedded when the architecture is supported.",
 )
+@click.option(
+    "--tree-budget",
+    metavar="N",
+    default="0",
+    show_default=True,
+    help="DDTree: verify a tree of N drafted nodes per round, built from the drafter's distributions, "
+    "instead of its argmax chain (0 = linear DFlash). Lossless like linear DFlash. The reference "
+    "loop has it; the embedded engine does not yet.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object on stdout.")
-def generate(
-    target: str,
-    drafter: str | None,
-    prompt: str | None,
-    prompt_ids: str | None,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    block_size: int | None,
-    no_draft: bool,
-    greedy_draft: bool,
-    stop_token_ids: str | None,
-    ignore_eos: bool,
-    chat: bool,
-    device: str,
-    dtype: str,
-    engine: str,
-    as_json: bool,
-) -> None:
+def generate(**options: Any) -> None:
     """Generate with DFlash speculative decoding (or plain decoding with --no-draft).
 
     \b
     Examples:
       dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64
       dflash-trt generate --target tiny --prompt-ids 5,17,42 --max-new-tokens 32 --json
+      dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64 --engine reference --tree-budget 32
       dflash-trt generate --target ./qwen3 --drafter ./qwen3-dflash --prompt "Hi" --max-new-tokens 128 --temperature 0.7 --seed 1
 
     With --json the output is one object: output_ids (generated ids only), acceptance_lengths
     (per round, bonus token included), text (null without a tokenizer), num_rounds,
     mean_acceptance_length, ttft_s, decode_s.
     """
-    if (prompt is None) == (prompt_ids is None):
-        raise click.UsageError("pass exactly one of --prompt and --prompt-ids")
-    ids = _parse_ids(prompt_ids, "--prompt-ids")
-    stops = _parse_ids(stop_token_ids, "--stop-token-ids")
+    opts = _Options(**options)
+    job = _prepare(opts)
+    run = _run_embedded if _engine_for(opts.engine, job) == "embedded" else _run_reference
+    result = run(job)
+    _report(result, job.tokenizer, as_json=opts.as_json, tree_budget=job.tree_budget)
 
-    from dflash_trt.models.checkpoint import load_drafter
-    from dflash_trt.models.dflash_config import validate_pair
-    from dflash_trt.models.sources import (
-        default_stop_token_ids,
-        load_tokenizer,
-        resolve_mask_token_id,
-        resolve_models,
-    )
-    from dflash_trt.reference.generate import spec_generate
-    from dflash_trt.reference.hf_target import HFTarget
+
+@dataclass(frozen=True)
+class _Options:
+    """The command's options, as click passes them."""
+
+    target: str
+    drafter: str | None
+    prompt: str | None
+    prompt_ids: str | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    block_size: int | None
+    no_draft: bool
+    greedy_draft: bool
+    stop_token_ids: str | None
+    ignore_eos: bool
+    chat: bool
+    device: str
+    dtype: str
+    engine: str
+    tree_budget: str
+    as_json: bool
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One resolved request: the models, the prompt ids, the stop ids, and how to decode."""
+
+    models: Any  # ResolvedModels
+    tokenizer: Any | None
+    ids: list[int]
+    sampling: Any  # SamplingConfig
+    stops: list[int]
+    max_new_tokens: int
+    block_size: int | None
+    drafting: bool
+    mask_id: int | None
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype
+    tree_budget: int | str  # DDTree nodes per round ("auto": the engine chooses); 0 = linear DFlash
+
+
+def _prepare(opts: _Options) -> _Job:
+    """Check the options and resolve models, prompt, stop ids and device (in this order, so that
+    the first problem reported is the first one a user would fix)."""
+    if (opts.prompt is None) == (opts.prompt_ids is None):
+        raise click.UsageError("pass exactly one of --prompt and --prompt-ids")
+    ids = _parse_ids(opts.prompt_ids, "--prompt-ids")
+    stops = _parse_ids(opts.stop_token_ids, "--stop-token-ids")
+
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer, resolve_models
+    from dflash_trt.spec.decoding_config import parse_tree_budget
     from dflash_trt.spec.sampling import SamplingConfig
     from dflash_trt.utils.device import resolve_device, resolve_dtype
 
-    sampling = SamplingConfig(
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, greedy_draft=greedy_draft
-    )
-    models = resolve_models(target, drafter)
+    sampling = SamplingConfig(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
+                              greedy_draft=opts.greedy_draft)  # fmt: skip
+    models = resolve_models(opts.target, opts.drafter)
     tokenizer = load_tokenizer(models.target_dir)
     if ids is None:
-        if tokenizer is None:
-            raise UsageError(
-                f"--prompt needs a tokenizer, and {models.target_dir} has none",
-                hint="pass token ids with --prompt-ids, or save a tokenizer into the target directory",
-            )
-        assert prompt is not None
-        if chat:
-            ids = list(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    enable_thinking=False,
-                    return_dict=False,
-                )
-            )
-        else:
-            ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        assert opts.prompt is not None
+        ids = _tokenize(opts.prompt, tokenizer, chat=opts.chat, where=models.target_dir)
     if not ids:
         raise UsageError("the prompt is empty after tokenisation", hint="pass a non-empty prompt")
     if stops is None:
-        stops = [] if ignore_eos else default_stop_token_ids(models.target_dir, tokenizer)
-    elif ignore_eos:
+        stops = [] if opts.ignore_eos else default_stop_token_ids(models.target_dir, tokenizer)
+    elif opts.ignore_eos:
         raise click.UsageError("--ignore-eos and --stop-token-ids are mutually exclusive")
+    dev = resolve_device(None if opts.device == "auto" else opts.device)
+    dt = resolve_dtype(None if opts.dtype == "auto" else opts.dtype, dev)
+    drafting = not opts.no_draft and opts.block_size != 1
+    tree = parse_tree_budget(opts.tree_budget, field_name="--tree-budget")
+    if tree != 0 and not drafting:
+        raise UsageError(
+            f"--tree-budget={opts.tree_budget} needs a drafter", hint="drop --no-draft / --block-size 1"
+        )
+    return _Job(models=models, tokenizer=tokenizer, ids=ids, sampling=sampling, stops=list(stops),
+                max_new_tokens=opts.max_new_tokens, block_size=opts.block_size, drafting=drafting,
+                mask_id=_mask_id(opts.target, models, tokenizer, drafting=drafting), device=dev, dtype=dt, tree_budget=tree)  # fmt: skip
 
-    dev = resolve_device(None if device == "auto" else device)
-    dt = resolve_dtype(None if dtype == "auto" else dtype, dev)
-    drafting = not no_draft and block_size != 1
+
+def _tokenize(prompt: str, tokenizer: Any | None, *, chat: bool, where: Path) -> list[int]:
+    """--prompt as token ids (in the tokenizer's chat template with --chat, thinking off)."""
+    if tokenizer is None:
+        raise UsageError(
+            f"--prompt needs a tokenizer, and {where} has none",
+            hint="pass token ids with --prompt-ids, or save a tokenizer into the target directory",
+        )
+    if not chat:
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    from dflash_trt.models.sources import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def _mask_id(target: str, models: Any, tokenizer: Any | None, *, drafting: bool) -> int | None:
+    """The drafter's mask token id when drafting (which needs a drafter), else None."""
+    from dflash_trt.models.sources import resolve_mask_token_id
+
     if drafting and models.drafter_dir is None:
         raise UsageError(
             f"no drafter for --target={target!r}", hint="pass --drafter DIR, or --no-draft for plain decoding"
         )
-    mask_id = (
-        resolve_mask_token_id(models.drafter_dir, tokenizer) if drafting and models.drafter_dir else None
-    )
-    if engine == "auto":
-        engine = "embedded" if _embedded_supports(models.target_dir) else "reference"
-    if engine == "embedded":
-        result = _run_embedded(
-            models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
-        )
-    else:
-        tgt = HFTarget.from_pretrained(models.target_dir, device=dev, dtype=dt)
-        draft_model = None
-        if drafting:
-            assert models.drafter_dir is not None
-            draft_model = load_drafter(models.drafter_dir, device=dev, dtype=dt, mask_token_id=mask_id)
-            validate_pair(draft_model.config, tgt.info, block_size=block_size)
-        result = spec_generate(
-            tgt,
-            draft_model,
-            ids,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            stop_token_ids=stops,
-            block_size=block_size,
-        )
+    return resolve_mask_token_id(models.drafter_dir, tokenizer) if drafting and models.drafter_dir else None
+
+
+def _engine_for(engine: str, job: _Job) -> str:
+    """--engine auto: the embedded engine when it supports the target's architecture."""
+    if engine != "auto":
+        return engine
+    return "embedded" if _embedded_supports(job.models.target_dir) else "reference"
+
+
+def _report(result: Any, tokenizer: Any | None, *, as_json: bool, tree_budget: int | str = 0) -> None:
+    """The text (or ids) on stdout and a one-line summary on stderr; with --json one object."""
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True) if tokenizer is not None else None
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(text)) + "\n")
         return
-    if text is not None:
-        click.echo(text)
-    else:
-        click.echo(" ".join(map(str, result.output_ids)))
+    click.echo(text if text is not None else " ".join(map(str, result.output_ids)))
     n = len(result.output_ids)
     tps = (n - 1) / result.decode_s if result.decode_s > 0 and n > 1 else float("nan")
     mode = "plain decoding" if result.block_size == 1 else f"DFlash block {result.block_size}"
+    if tree_budget != 0 and result.block_size > 1:
+        mode += f", DDTree {tree_budget} nodes"
     click.echo(
         f"[{mode}] {n} tokens, {result.num_rounds} rounds, mean acceptance length "
         f"{result.mean_acceptance_length:.2f}, ttft {result.ttft_s * 1e3:.1f} ms, "
@@ -213,7 +243,7 @@ def generate(
     )
 
 
-def _embedded_supports(target_dir) -> bool:
+def _embedded_supports(target_dir: Path) -> bool:
     from dflash_trt.errors import ConfigError
     from dflash_trt.models.checkpoint import read_json
     from dflash_trt.models.target_config import parse_target_config
@@ -225,54 +255,87 @@ def _embedded_supports(target_dir) -> bool:
     return True
 
 
-def _run_embedded(
-    models, tokenizer, ids, sampling, stops, max_new_tokens, block_size, drafting, mask_id, dev, dt
-):
+def _run_reference(job: _Job) -> Any:
+    """The batch-1 reference loop on a transformers target (the oracle)."""
+    from dflash_trt.models.checkpoint import load_drafter
+    from dflash_trt.models.dflash_config import validate_pair
+    from dflash_trt.reference.generate import spec_generate
+    from dflash_trt.reference.hf_target import HFTarget
+
+    tgt = HFTarget.from_pretrained(job.models.target_dir, device=job.device, dtype=job.dtype)
+    draft_model = None
+    if job.drafting:
+        assert job.models.drafter_dir is not None
+        draft_model = load_drafter(
+            job.models.drafter_dir, device=job.device, dtype=job.dtype, mask_token_id=job.mask_id
+        )
+        validate_pair(draft_model.config, tgt.info, block_size=job.block_size)
+    return spec_generate(tgt, draft_model, job.ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
+                         stop_token_ids=job.stops, block_size=job.block_size,
+                         tree_budget=job.tree_budget)  # fmt: skip
+
+
+def _run_embedded(job: _Job) -> Any:
     """One request through the serving engine (native models, paged caches, the same round code)."""
     from dflash_trt.api.llm import LLM, SamplingParams
-    from dflash_trt.models.checkpoint import load_drafter_config
-    from dflash_trt.models.dflash_config import check_runtime_block_size
-    from dflash_trt.reference.generate import GenerationResult
 
-    spec = None
-    b = 1
-    if drafting:
-        cfg = load_drafter_config(models.drafter_dir, mask_token_id=mask_id)
-        b = block_size or cfg.block_size
-        check_runtime_block_size(cfg, b)
-        spec = {
-            "decoding_type": "DFlash",
-            "max_draft_len": b - 1,
-            "speculative_model": str(models.drafter_dir),
-        }
-        if mask_id is not None:
-            spec["mask_token_id"] = mask_id
+    spec, b = _speculative_config(job)
     llm = LLM(
-        str(models.target_dir),
-        tokenizer=tokenizer,
+        str(job.models.target_dir),
+        tokenizer=job.tokenizer,
         speculative_config=spec,
         max_batch_size=1,
-        max_num_tokens=max(256, len(ids)),
-        max_seq_len=len(ids) + max_new_tokens + 1,
-        device=dev.type,
-        dtype=str(dt).removeprefix("torch."),
+        max_num_tokens=max(256, len(job.ids)),
+        max_seq_len=len(job.ids) + job.max_new_tokens + 1,
+        device=job.device.type,
+        dtype=str(job.dtype).removeprefix("torch."),
     )
+    s = job.sampling
     try:
         sp = SamplingParams(
-            max_tokens=max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            stop_token_ids=list(stops),
+            max_tokens=job.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=list(job.stops),
             ignore_eos=True,  # the CLI already resolved the stop ids (eos included unless --ignore-eos)
-            greedy_draft=sampling.greedy_draft,
+            greedy_draft=s.greedy_draft,
             return_perf_metrics=True,
             detokenize=False,
         )
-        out = llm.generate(ids, sp).outputs[0]  # type: ignore[union-attr]
+        out = llm.generate(job.ids, sp).outputs[0]  # type: ignore[union-attr]
     finally:
         llm.shutdown()
+    return _result_of(out, block_size=b)
+
+
+def _speculative_config(job: _Job) -> tuple[dict[str, Any] | None, int]:
+    """The LLM's speculative_config for this job and the block it runs (1 without drafting)."""
+    from dflash_trt.models.checkpoint import load_drafter_config
+    from dflash_trt.models.dflash_config import check_runtime_block_size, max_draft_len_for
+
+    if not job.drafting:
+        return None, 1
+    cfg = load_drafter_config(job.models.drafter_dir, mask_token_id=job.mask_id)
+    b = job.block_size or cfg.block_size
+    check_runtime_block_size(cfg, b)
+    spec: dict[str, Any] = {
+        "decoding_type": "DFlash",
+        "max_draft_len": max_draft_len_for(b),
+        "speculative_model": str(job.models.drafter_dir),
+    }
+    if job.mask_id is not None:
+        spec["mask_token_id"] = job.mask_id
+    if job.tree_budget != 0:
+        spec["tree_budget"] = job.tree_budget
+    return spec, b
+
+
+def _result_of(out: Any, *, block_size: int) -> Any:
+    """The embedded engine's CompletionOutput as the reference loop's GenerationResult."""
+    from dflash_trt.reference.generate import GenerationResult
+
     m = out.request_perf_metrics
     assert m is not None
     t = m.timing_metrics
@@ -285,5 +348,5 @@ def _run_embedded(
         finish_reason=out.finish_reason or "length",
         num_draft_tokens=m.speculative_decoding.total_draft_tokens,
         num_accepted_draft_tokens=m.speculative_decoding.total_accepted_draft_tokens,
-        block_size=b,
+        block_size=block_size,
     )

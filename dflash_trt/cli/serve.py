@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
+
+from dflash_trt.cli._api_key import api_key_from_options, api_key_options
 
 if TYPE_CHECKING:
     from dflash_trt.openai_front.app import FrontThread
@@ -66,6 +71,7 @@ HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is
     help="With --openai-port: front an already running Triton's gRPC endpoint instead of starting "
     "tritonserver (the Helm chart's sidecar).",
 )
+@api_key_options(role="require on inference and metadata (HTTP, gRPC, OpenAI /v1)")
 def serve(
     bundle: Path,
     host: str,
@@ -81,6 +87,8 @@ def serve(
     openai_port: int | None,
     openai_model_name: str | None,
     triton_url: str | None,
+    api_key: str | None,
+    api_key_file: Path | None,
 ) -> None:
     """Start tritonserver on the bundle's model repository and supervise it until Ctrl-C / SIGTERM.
 
@@ -99,97 +107,160 @@ def serve(
     With --openai-port the OpenAI-compatible front runs in this process next to tritonserver
     (docs/serving.md, "OpenAI-compatible endpoints").
 
+    With an API key (--api-key-file, $DFLASH_TRT_API_KEY or --api-key) clients must send
+    `Authorization: Bearer KEY` (Triton gRPC: `triton-grpc-protocol-authorization: Bearer KEY`);
+    health, readiness and metrics stay open (docs/serving.md, "API keys").
+
     \b
     Example:
       dflash-trt build --target tiny --output /tmp/tiny && dflash-trt serve --bundle /tmp/tiny
       dflash-trt serve --bundle /tmp/tiny --openai-port 9000
+      dflash-trt serve --bundle /tmp/tiny --host 0.0.0.0 --api-key-file /etc/dflash-trt/api-key
     """
-    import tempfile
-
-    from dflash_trt.bundle import bundle_path, load_manifest
-    from dflash_trt.errors import UsageError
-    from dflash_trt.triton.server import TritonServer
+    from dflash_trt.bundle import load_manifest
 
     _check_ports(http_port, grpc_port, metrics_port, openai_port, openai_model_name, triton_url)
+    key = api_key_from_options(api_key, api_key_file)
+    _announce_key(key, host)
     manifest = load_manifest(bundle)
+    _check_compile(manifest, compile_rounds=compile_rounds)
+    front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url, key)
+    if triton_url is not None:
+        assert front is not None
+        _front_only(front)
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-serve-") as tmp:
+        server = _triton_server(bundle, manifest, Path(tmp), host=host, ports=(http_port, grpc_port, metrics_port),
+                                log_verbose=log_verbose, quiet=quiet, no_draft=no_draft,
+                                compile_rounds=compile_rounds, key=key)  # fmt: skip
+        outcome, code = _supervise(server, front, manifest, ready_timeout=ready_timeout,
+                                   drain_timeout=drain_timeout, no_draft=no_draft)  # fmt: skip
+    # Exit 0 when every request ended explicitly and the engine shut down cleanly. tritonserver itself
+    # may have been killed after that (an idle gRPC stream holds it; see TritonServer.drain).
+    sys.exit(0 if (outcome == "finalized" and code == 0) or outcome == "drained" else 1)
+
+
+def _check_compile(manifest: dict, *, compile_rounds: bool) -> None:
+    from dflash_trt.errors import UsageError
+
     if compile_rounds and manifest["backend"] != "torch":
         raise UsageError(
             f"--compile needs a bundle for the embedded engine; {manifest['name']} has backend "
             f"{manifest['backend']!r}",
             hint="rebuild with --backend torch, or drop --compile (TensorRT-LLM compiles its own way)",
         )
-    front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url)
-    if triton_url is not None:
-        assert front is not None
-        _front_only(front)
-        return
+
+
+def _triton_server(
+    bundle: Path, manifest: dict, tmp: Path, *, host: str, ports: tuple[int, int, int], log_verbose: int,
+    quiet: bool, no_draft: bool, compile_rounds: bool, key: Any,
+) -> TritonServer:  # fmt: skip
+    """tritonserver (not started) on the bundle's repository, or on a copy with --no-draft/--compile."""
+    from dflash_trt.bundle import bundle_path
+    from dflash_trt.triton.server import TritonServer
+
     repo = bundle_path(bundle, manifest, "model_repository")
-    env = {"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())}
-    tmp = tempfile.TemporaryDirectory(prefix="dflash-serve-")
     if no_draft or compile_rounds:
-        repo = _with_overrides(repo, Path(tmp.name), no_draft=no_draft, compile_rounds=compile_rounds)
-    server = TritonServer(
+        repo = _with_overrides(repo, tmp, no_draft=no_draft, compile_rounds=compile_rounds)
+    http_port, grpc_port, metrics_port = ports
+    return TritonServer(
         model_repository=repo.resolve(),
         host=host,
         http_port=http_port,
         grpc_port=grpc_port,
         metrics_port=metrics_port,
         log_verbose=log_verbose,
-        extra_env=env,
+        extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())},
         forward_logs=not quiet,
         exit_timeout=EXIT_TIMEOUT_S,
-        control_dir=Path(tmp.name) / "control",
+        control_dir=tmp / "control",
         models=(manifest["serving"]["model_name"],),
+        api_key=key,
     )
+
+
+@contextlib.contextmanager
+def _signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to `handler` inside the block; the previous handlers come back after."""
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def _supervise(
+    server: TritonServer, front: FrontThread | None, manifest: dict, *, ready_timeout: float,
+    drain_timeout: float, no_draft: bool,
+) -> tuple[str, int | None]:  # fmt: skip
+    """Start tritonserver (and the front), watch them until a signal, then drain. Returns the drain's
+    outcome and tritonserver's exit code."""
     stop = threading.Event()
 
-    def on_signal(signum, _frame) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():  # a second signal: no more waiting
             click.echo("second signal: killing tritonserver", err=True)
             server.kill()
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.start()
-        click.echo(f"starting tritonserver ({server.install.source if server.install else '?'}) for "
-                   f"{manifest['name']} [{manifest['backend']}{', no drafter' if no_draft else ''}]", err=True)  # fmt: skip
-        waited = server.wait_ready(ready_timeout)
-        click.echo(
-            f"ready in {waited:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
-            f"(model {manifest['serving']['model_name']})",
-            err=True,
-        )
-        stubs = server.watch_stubs()
-        if not stubs:
-            click.echo("warning: found no Python-backend stub process to watch", err=True)
-        if front is not None:
-            front.start()
+    with _signals(on_signal):
+        try:
+            _start(server, front, manifest, ready_timeout=ready_timeout, no_draft=no_draft)
+            _watch(server, front, stop)
+            if front is not None:
+                front.stop()  # first: in-flight OpenAI requests finish (or are cancelled) while Triton is up
             click.echo(
-                f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True
+                f"draining: new requests refused, in-flight ones get up to {drain_timeout:g} s", err=True
             )
-        _watch(server, front, stop)
-        if front is not None:
-            front.stop()  # first: in-flight OpenAI requests finish (or are cancelled) while Triton is up
-        click.echo(f"draining: new requests refused, in-flight ones get up to {drain_timeout:g} s", err=True)
-        outcome, took = server.drain(drain_timeout)
-        code = server.proc.returncode if server.proc is not None else None
-        how = {"finalized": "model finalized", "drained": "model drained (an open client stream kept Triton "
-               "from finalizing it)", "timeout": "model did NOT report drained"}[outcome]  # fmt: skip
-        click.echo(f"stopped in {took:.1f} s: {how}, tritonserver exit code {code}", err=True)
-    finally:
-        if front is not None:
-            front.stop()  # idempotent; here for the error paths
-        server.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        tmp.cleanup()
-    # Exit 0 when every request ended explicitly and the engine shut down cleanly. tritonserver itself
-    # may have been killed after that (an idle gRPC stream holds it; see TritonServer.drain).
-    sys.exit(0 if (outcome == "finalized" and code == 0) or outcome == "drained" else 1)
+            outcome, took = server.drain(drain_timeout)
+            code = server.proc.returncode if server.proc is not None else None
+            how = {"finalized": "model finalized", "drained": "model drained (an open client stream kept Triton "
+                   "from finalizing it)", "timeout": "model did NOT report drained"}[outcome]  # fmt: skip
+            click.echo(f"stopped in {took:.1f} s: {how}, tritonserver exit code {code}", err=True)
+        finally:
+            if front is not None:
+                front.stop()  # idempotent; here for the error paths
+            server.stop()
+    return outcome, code
 
 
-def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, triton_url):
+def _start(
+    server: TritonServer, front: FrontThread | None, manifest: dict, *, ready_timeout: float, no_draft: bool
+) -> None:
+    """tritonserver until the model is ready, the stubs to watch, then the front."""
+    server.start()
+    click.echo(f"starting tritonserver ({server.install.source if server.install else '?'}) for "
+               f"{manifest['name']} [{manifest['backend']}{', no drafter' if no_draft else ''}]", err=True)  # fmt: skip
+    waited = server.wait_ready(ready_timeout)
+    click.echo(
+        f"ready in {waited:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
+        f"(model {manifest['serving']['model_name']})",
+        err=True,
+    )
+    if not server.watch_stubs():
+        click.echo("warning: found no Python-backend stub process to watch", err=True)
+    if front is not None:
+        front.start()
+        click.echo(
+            f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True
+        )
+
+
+def _announce_key(key, host: str) -> None:
+    """Say on stderr what the key protects (never the key), or warn about an open server."""
+    if key is not None:
+        click.echo(f"API key from {key.source}: required on inference and metadata (HTTP, gRPC, OpenAI /v1); "
+                   "health, readiness and metrics stay open", err=True)  # fmt: skip
+        if key.source == "--api-key":
+            click.echo("note: --api-key shows in process lists; prefer --api-key-file or $DFLASH_TRT_API_KEY",
+                       err=True)  # fmt: skip
+    elif not (host.startswith("127.") or host in ("localhost", "::1")):
+        click.echo(f"warning: --host={host} without an API key: anyone who reaches these ports can run the "
+                   "model; pass --api-key-file (docs/serving.md, API keys)", err=True)  # fmt: skip
+
+
+def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, triton_url, key):
     """The OpenAI front's thread (not started), or None without --openai-port."""
     if openai_port is None:
         return None
@@ -208,6 +279,7 @@ def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, tr
         host=host,
         port=openai_port,
         max_seq_len=(manifest.get("limits") or {}).get("max_seq_len"),
+        api_key=key,
     )
     return FrontThread(cfg, chat)
 
@@ -215,19 +287,17 @@ def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, tr
 def _front_only(front) -> None:
     """--triton-url: run only the front until SIGINT/SIGTERM."""
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        front.start()
-        click.echo(f"OpenAI-compatible endpoints on {front.url}/v1 -> Triton gRPC {front.cfg.triton_url} "
-                   f"(model {front.cfg.served_names[0]})", err=True)  # fmt: skip
-        while not stop.wait(0.5):
-            if not front.alive():
-                raise click.ClickException("the OpenAI front stopped unexpectedly")
-        click.echo("stopping the OpenAI front", err=True)
-    finally:
-        front.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with _signals(lambda *_: stop.set()):
+        try:
+            front.start()
+            click.echo(f"OpenAI-compatible endpoints on {front.url}/v1 -> Triton gRPC {front.cfg.triton_url} "
+                       f"(model {front.cfg.served_names[0]})", err=True)  # fmt: skip
+            while not stop.wait(0.5):
+                if not front.alive():
+                    raise click.ClickException("the OpenAI front stopped unexpectedly")
+            click.echo("stopping the OpenAI front", err=True)
+        finally:
+            front.stop()
 
 
 def _check_ports(

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
+from dflash_trt.cli.options import device_option, dtype_option
 from dflash_trt.errors import UsageError
 
 
@@ -153,14 +155,8 @@ def _prompt_len(value: str) -> tuple[int, int]:
     show_default=True,
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "auto"]),
-    default="auto",
-    show_default=True,
-    help="Target dtype (auto: float32 on CPU, bfloat16 on CUDA, with autocast for the drafter).",
-)
+@device_option()
+@dtype_option("Target dtype (auto: float32 on CPU, bfloat16 on CUDA, with autocast for the drafter).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 def train_drafter(**opts: object) -> None:
@@ -189,31 +185,34 @@ def train_drafter(**opts: object) -> None:
     opts["regen_prompt_len"] = _prompt_len(str(opts["regen_prompt_len"]))
     cfg = TrainConfig(**opts)  # type: ignore[arg-type]
     tty = sys.stderr.isatty()
+    result = run(cfg, progress=tty, report=None if tty else _report_line)
+    _print_result(result, as_json=as_json)
 
-    def report(entry: dict) -> None:
-        if tty:
-            return
-        if entry.get("phase") == "regenerate":
-            click.echo(f"regenerate {entry['done']}/{entry['total']}", err=True)
-        else:
-            click.echo(
-                f"step {entry['step']}/{entry['total']} loss {entry['loss']:.4f} "
-                f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e} ({entry['elapsed_s']:.0f} s)",
-                err=True,
-            )
 
-    result = run(cfg, progress=tty, report=report)
+def _report_line(entry: dict) -> None:
+    """One stderr line per report when stderr is not a terminal (no progress bars then)."""
+    if entry.get("phase") == "regenerate":
+        click.echo(f"regenerate {entry['done']}/{entry['total']}", err=True)
+    else:
+        click.echo(
+            f"step {entry['step']}/{entry['total']} loss {entry['loss']:.4f} "
+            f"tau~{entry['tau_estimate']:.2f} lr {entry['lr']:.2e} ({entry['elapsed_s']:.0f} s)",
+            err=True,
+        )
+
+
+def _print_result(result: Any, *, as_json: bool) -> None:
     ev = result.eval
-    summary = {
-        "out": str(result.out),
-        "steps": result.steps,
-        "final_loss": result.final_loss,
-        "tau": ev["tau"] if ev else None,
-        "tau_pooled": ev["tau_pooled"] if ev else None,
-        "eval_prompts": ev["num_prompts"] if ev else 0,
-        "seconds": round(result.seconds, 1),
-    }
     if as_json:
+        summary = {
+            "out": str(result.out),
+            "steps": result.steps,
+            "final_loss": result.final_loss,
+            "tau": ev["tau"] if ev else None,
+            "tau_pooled": ev["tau_pooled"] if ev else None,
+            "eval_prompts": ev["num_prompts"] if ev else 0,
+            "seconds": round(result.seconds, 1),
+        }
         sys.stdout.write(json.dumps(summary) + "\n")
         return
     tau = (

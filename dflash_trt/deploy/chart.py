@@ -40,7 +40,7 @@ VALUES_FILE = "helm-values.yaml"
 CHART_NAME = "dflash-trt"
 
 DEFAULT_TRTLLM_IMAGE = ("nvcr.io/nvidia/tritonserver", "26.10-trtllm-python-py3")
-# A placeholder: the CPU image is built from this repository and pushed by the operator.
+# The serving image of build/docker/Dockerfile.serve-torch (`make image`); push it to your registry.
 DEFAULT_TORCH_IMAGE = ("ghcr.io/dflash-trt/dflash-trt", f"{__version__}-cpu")
 DEFAULT_MODEL_NAME = "tensorrt_llm"
 DEFAULT_SSH_SECRET = "dflash-trt-ssh"
@@ -156,11 +156,54 @@ def helm_values_from_manifest(
             f"must be one of {', '.join(BACKENDS)}",
             hint="re-run `dflash-trt build`",
         )
-    gpu = _section(manifest, "gpu")
-    serving = _section(manifest, "serving")
-    target = _section(manifest, "target")
-    drafter = _section(manifest, "drafter")
+    gpu, serving = _section(manifest, "gpu"), _section(manifest, "serving")
+    sources = (_section(manifest, "target"), _section(manifest, "drafter"))
+    layout = _gpu_layout(gpu, backend=backend)
+    weights_gb = _weights_gb(serving)
+    budget = _startup_budget(serving, weights_gb=weights_gb, gpu=layout.count > 0)
+    shm = shm_size_gib(gpus_per_pod=layout.gpus_per_pod)
+    values: dict[str, Any] = {
+        "backend": backend,
+        "image": _image(serving.get("image"), backend=backend),
+        "bundle": {
+            "name": str(manifest.get("name") or ""),
+            "modelName": str(serving.get("model_name") or DEFAULT_MODEL_NAME),
+        },
+        "gpu": {"count": layout.count, "perNode": layout.per_node, "product": layout.product},
+        "shm": {"sizeLimit": f"{shm}Gi"},
+        "probes": {"startup": {"budgetSeconds": budget}},
+    }
+    # Storage: the weights in the Hugging Face cache, a quantized copy written by a build, and
+    # the bundle itself; twice the weights plus 20 GiB, in steps of 10 GiB.
+    values["storage"] = {"type": "newClaim", "size": f"{_round_up(2 * weights_gb + 20, 10)}Gi"}
+    if layout.multi_node:
+        values["storage"]["accessModes"] = ["ReadWriteMany"]
+    model_init = _model_init(sources, build_args=build_args, gpu=layout.count > 0)
+    if model_init is not None:
+        values["modelInit"] = model_init
+    if layout.multi_node:
+        values["multiNode"] = {"enabled": True, "sshSecretName": DEFAULT_SSH_SECRET}
+    values["resources"] = _resources(layout, weights_gb=weights_gb, shm_gib=shm)
+    return values
 
+
+@dataclass(frozen=True)
+class _GpuLayout:
+    count: int  # GPUs in all
+    per_node: int
+    product: list[str]  # the node label's GPU product, or [] (any)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.count > self.per_node
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return self.per_node if self.multi_node else self.count
+
+
+def _gpu_layout(gpu: Mapping[str, Any], *, backend: str) -> _GpuLayout:
+    """GPUs in all and per node from the manifest's `gpu` section (a multi-node count must fill nodes)."""
     count = _int_field(gpu, "count", "gpu", default=0)
     if backend == "trtllm" and count == 0:
         raise ConfigError(
@@ -175,89 +218,70 @@ def helm_values_from_manifest(
     per_node = _int_field(gpu, per_node_key, "gpu", default=per_node_default)
     if per_node == 0:
         raise ConfigError(f"manifest gpu.{per_node_key}", 0, "must be >= 1", hint="GPUs per node, e.g. 8")
-    multi_node = count > per_node
-    if multi_node and count % per_node:
+    if count > per_node and count % per_node:
         raise ConfigError(
             "manifest gpu.count",
             count,
             f"spans nodes but is not a multiple of {per_node} GPUs per node",
             hint=f"use a parallel size that is a multiple of {per_node}",
         )
-    gpus_per_pod = per_node if multi_node else count
+    product = gpu.get("product_label")
+    return _GpuLayout(count=count, per_node=per_node, product=[str(product)] if product and count > 0 else [])
 
-    raw_weights = serving.get("weights_gb") or 0.0
-    if isinstance(raw_weights, bool) or not isinstance(raw_weights, int | float):
+
+def _weights_gb(serving: Mapping[str, Any]) -> float:
+    raw = serving.get("weights_gb") or 0.0
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
         raise ConfigError(
-            "manifest serving.weights_gb", raw_weights, "must be a number", hint="re-run `dflash-trt build`"
+            "manifest serving.weights_gb", raw, "must be a number", hint="re-run `dflash-trt build`"
         )
-    weights_gb = float(raw_weights)
-    if weights_gb < 0:
+    if raw < 0:
         raise ConfigError(
-            "manifest serving.weights_gb", weights_gb, "must be >= 0", hint="re-run `dflash-trt build`"
+            "manifest serving.weights_gb", float(raw), "must be >= 0", hint="re-run `dflash-trt build`"
         )
+    return float(raw)
+
+
+def _startup_budget(serving: Mapping[str, Any], *, weights_gb: float, gpu: bool) -> int:
+    """The manifest's startup budget, else one estimated from the weights; at least 10 s."""
     budget = serving.get("startup_budget_s")
     if budget is None:
-        budget = startup_budget_seconds(weights_gb=weights_gb, gpu=count > 0)
-    budget = _int_field({"startup_budget_s": budget}, "startup_budget_s", "serving")
-    budget = max(budget, 10)
+        budget = startup_budget_seconds(weights_gb=weights_gb, gpu=gpu)
+    return max(_int_field({"startup_budget_s": budget}, "startup_budget_s", "serving"), 10)
 
-    image_ref = serving.get("image")
-    if image_ref:
-        image = _split_image(str(image_ref))
-    else:
-        repository, tag = DEFAULT_TRTLLM_IMAGE if backend == "trtllm" else DEFAULT_TORCH_IMAGE
-        image = {"repository": repository, "tag": tag}
 
-    shm = shm_size_gib(gpus_per_pod=gpus_per_pod)
-    values: dict[str, Any] = {
-        "backend": backend,
-        "image": image,
-        "bundle": {
-            "name": str(manifest.get("name") or ""),
-            "modelName": str(serving.get("model_name") or DEFAULT_MODEL_NAME),
-        },
-        "gpu": {"count": count, "perNode": per_node, "product": []},
-        "shm": {"sizeLimit": f"{shm}Gi"},
-        "probes": {"startup": {"budgetSeconds": budget}},
-    }
-    product = gpu.get("product_label")
-    if product and count > 0:
-        values["gpu"]["product"] = [str(product)]
+def _image(ref: Any, *, backend: str) -> dict[str, str]:
+    if ref:
+        return _split_image(str(ref))
+    repository, tag = DEFAULT_TRTLLM_IMAGE if backend == "trtllm" else DEFAULT_TORCH_IMAGE
+    return {"repository": repository, "tag": tag}
 
-    # Storage: the weights in the Hugging Face cache, a quantized copy written by a build, and
-    # the bundle itself; twice the weights plus 20 GiB, in steps of 10 GiB.
-    storage: dict[str, Any] = {"type": "newClaim", "size": f"{_round_up(2 * weights_gb + 20, 10)}Gi"}
-    if multi_node:
-        storage["accessModes"] = ["ReadWriteMany"]
-    values["storage"] = storage
 
-    repos = [{"repo": str(s["hf_id"])} for s in (target, drafter) if s.get("hf_id")]
+def _model_init(
+    sources: Sequence[Mapping[str, Any]], *, build_args: Sequence[str] | None, gpu: bool
+) -> dict[str, Any] | None:
+    """The init container: `build` with build_args, else `download` of the Hugging Face ids, else none."""
     if build_args:
-        values["modelInit"] = {
+        init: dict[str, Any] = {
             "enabled": True,
             "mode": "build",
             "build": {"args": [str(a) for a in build_args]},
         }
-        if count > 0:
-            values["modelInit"]["useGpus"] = True
-    elif repos:
-        values["modelInit"] = {"enabled": True, "mode": "download", "download": {"repos": repos}}
+        if gpu:
+            init["useGpus"] = True
+        return init
+    repos = [{"repo": str(s["hf_id"])} for s in sources if s.get("hf_id")]
+    return {"enabled": True, "mode": "download", "download": {"repos": repos}} if repos else None
 
-    if multi_node:
-        values["multiNode"] = {"enabled": True, "sshSecretName": DEFAULT_SSH_SECRET}
 
-    if count > 0:
+def _resources(layout: _GpuLayout, *, weights_gb: float, shm_gib: int) -> dict[str, Any]:
+    if layout.count > 0:
         # No memory limit on GPU pods: staging weights through host memory peaks well above the
         # steady state, and an OOM kill there costs a full restart of the startup budget.
-        memory = max(32, _gib(1.25 * weights_gb) + shm)
-        values["resources"] = {"requests": {"cpu": str(max(4, 4 * gpus_per_pod)), "memory": f"{memory}Gi"}}
-    else:
-        memory = max(2, _gib(2 * weights_gb) + shm)
-        values["resources"] = {
-            "requests": {"cpu": "2", "memory": f"{memory}Gi"},
-            "limits": {"memory": f"{2 * memory}Gi"},
-        }
-    return values
+        memory = max(32, _gib(1.25 * weights_gb) + shm_gib)
+        return {"requests": {"cpu": str(max(4, 4 * layout.gpus_per_pod)), "memory": f"{memory}Gi"}}
+    memory = max(2, _gib(2 * weights_gb) + shm_gib)
+    return {"requests": {"cpu": "2", "memory": f"{memory}Gi"}, "limits": {"memory": f"{2 * memory}Gi"}}
 
 
 def write_helm_values(

@@ -176,16 +176,22 @@ class LLMEngine:
         n = len(prompt_ids)
         max_tokens = params.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens={max_tokens!r} must be an integer >= 1")
+            raise RequestError(
+                f"max_tokens={max_tokens!r} must be an integer >= 1",
+                field="max_tokens",
+                hint="send max_tokens >= 1",
+            )
         limit = self.config.max_seq_len
         if n >= limit:
             raise RequestError(
                 f"prompt has {n} tokens, not below max_seq_len={limit}",
+                field="prompt",
                 hint="shorten the prompt or raise max_seq_len",
             )
         if n + max_tokens > limit:
             raise RequestError(
                 f"max_tokens={max_tokens}: prompt ({n} tokens) + max_tokens exceeds max_seq_len={limit}",
+                field="max_tokens",
                 hint=f"use max_tokens <= {limit - n}",
             )
         need = self.scheduler.pages_needed(n, max_tokens)
@@ -193,25 +199,31 @@ class LLMEngine:
             raise RequestError(
                 f"request needs {need * PAGE_SIZE} KV tokens (prompt {n} + max_tokens {max_tokens}) "
                 f"but the whole cache holds {self.kv_capacity_tokens}",
+                field="max_tokens",
                 hint="lower max_tokens or raise kv_cache_config.max_tokens",
             )
         try:
             validate_sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         except ConfigError as exc:
-            raise RequestError(exc.message, hint=exc.hint) from None
+            raise RequestError(exc.message, field=exc.field, hint=exc.hint) from None
         for name in ("min_tokens", "seed"):
             value = getattr(params, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise RequestError(f"{name}={value!r} must be an integer >= 0")
+                raise RequestError(
+                    f"{name}={value!r} must be an integer >= 0", field=name, hint=f"send {name} >= 0"
+                )
         for i, tok in enumerate(params.stop_token_ids):
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
                 raise RequestError(
                     f"stop_token_ids[{i}]={tok!r}: out of range for vocab_size={self.vocab_size}",
+                    field="stop_token_ids",
                     hint=f"use token ids in [0, {self.vocab_size})",
                 )
         if params.stop and self.tokenizer is None:
             raise RequestError(
-                "stop strings need a tokenizer, and this model has none", hint="use stop_token_ids"
+                "stop strings need a tokenizer, and this model has none",
+                field="stop",
+                hint="use stop_token_ids",
             )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -250,10 +262,6 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._new.empty() or not self._aborts.empty()
-
-    @property
-    def num_active(self) -> int:
-        return self.scheduler.num_active
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (2, 1)) -> float:
         """Run throwaway requests to completion so that what is built on first use (the compiled

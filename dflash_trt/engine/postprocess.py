@@ -83,11 +83,13 @@ def _find_stop(req: Request, old_len: int) -> tuple[str, int] | None:
 
 
 def _tokens_covering(req: Request, chars: int, tokenizer: Any) -> int:
-    """Smallest number of output tokens whose decoded text reaches `chars` characters."""
+    """Smallest number of output tokens whose decoded text reaches `chars` characters, decoded as
+    the request's text is (with or without special tokens, as it asked)."""
+    skip = req.detokenizer.skip if req.detokenizer is not None else True
     lo, hi = 1, len(req.output_ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        text = tokenizer.decode(req.output_ids[:mid], skip_special_tokens=True)
+        text = tokenizer.decode(req.output_ids[:mid], skip_special_tokens=skip)
         if len(text) >= chars:
             hi = mid
         else:

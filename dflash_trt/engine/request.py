@@ -8,6 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# max_tokens when a request does not say: TensorRT-LLM's SamplingParams default, shared by the LLM
+# API and the Triton model (the OpenAI front has its own protocol defaults: docs/serving.md).
+DEFAULT_MAX_TOKENS = 32
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -21,7 +25,7 @@ class RequestParams:
     """Per-request parameters in the engine's terms (the LLM API maps SamplingParams onto these).
     `LLMEngine.add_request` validates every field."""
 
-    max_tokens: int = 32
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -73,6 +73,16 @@ class PagedKVCache:
         """token_index: [bs, L] slots (see `context_index`) -> k, v: [bs, L, Hkv, d]."""
         return self.k[layer][token_index], self.v[layer][token_index]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at slots `src` [N] to slots `dst` [N] (DDTree commit: the accepted
+        nodes move to the slots of positions start..start + a).
+
+        All sources are read before any destination is written, so the two sets may overlap.
+        Entries to skip point both at the same padding slot (src == dst == 0): a no-op copy.
+        """
+        for pool in (*self.k, *self.v):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
 
 def store_kv(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor

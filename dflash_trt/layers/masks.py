@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The attention visibility rule, in one place: causal or block (non-causal), with sliding windows.
+"""The attention visibility rule, in one place: causal or block (non-causal), with sliding windows,
+and a block of new tokens with its own visibility (DDTree verification).
 
 Used by the drafter's block pass, the native targets, the plugin references and training.
 """
@@ -42,4 +43,36 @@ def visibility_mask(
     """
     base = k_valid[:, None, :].expand(-1, q_pos.shape[1], -1)  # [bs, Q, K]
     vis = apply_visibility(q_pos[:, :, None], k_pos[:, None, :], base, causal=causal, window=window)
+    return vis[:, None]
+
+
+def block_visibility_mask(
+    q_pos: torch.Tensor,
+    k_valid: torch.Tensor,
+    block_start: torch.Tensor,
+    block_mask: torch.Tensor,
+    *,
+    window: int | None,
+) -> torch.Tensor:
+    """Boolean mask [bs, 1, T, Lc] for T new tokens whose keys occupy cache columns
+    [block_start, block_start + T) in row order, with their own visibility among themselves
+    (DDTree: a node sees itself and its ancestors only).
+
+    q_pos: [bs, T] positions of the new tokens (they need not be distinct or increasing);
+    k_valid: [bs, Lc] (column j of a sequence is position j before block_start);
+    block_start: [bs]; block_mask: [bs, T, T] bool, [i, j] = row i sees row j.
+    Columns before block_start are the past context: visible as under causal attention (with the
+    window rule on positions); block columns follow `block_mask`, and the window on the two rows'
+    positions.
+    """
+    bs, t = q_pos.shape
+    lc = k_valid.shape[1]
+    col = torch.arange(lc, device=q_pos.device)
+    rel = col[None, :] - block_start[:, None]  # [bs, Lc]
+    in_block = (rel >= 0) & (rel < t)
+    rel = rel.clamp(0, t - 1)
+    k_pos = torch.where(in_block, q_pos.gather(1, rel), col[None, :])  # [bs, Lc]
+    seen = block_mask.gather(2, rel[:, None, :].expand(bs, t, lc))  # [bs, T, Lc]
+    base = k_valid[:, None, :] & torch.where(in_block[:, None, :], seen, True)
+    vis = apply_visibility(q_pos[:, :, None], k_pos[:, None, :], base, causal=True, window=window)
     return vis[:, None]

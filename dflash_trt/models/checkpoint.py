@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_trt.errors import CheckpointError
 from dflash_trt.models.dflash_config import DFlashConfig, parse_dflash_config
+from dflash_trt.utils.io import read_json_object
 
 if TYPE_CHECKING:
     import torch
@@ -28,15 +29,9 @@ log = logging.getLogger(__name__)
 def read_json(path: Path, *, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{what}: {path} not found", hint=f"check the {what} directory")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"{what}: {path} is not valid JSON ({exc})", hint="re-download the checkpoint"
-        ) from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{what}: {path} must hold a JSON object", hint="re-download the checkpoint")
-    return data
+    return read_json_object(
+        path, lambda problem: CheckpointError(f"{what}: {path} {problem}", hint="re-download the checkpoint")
+    )
 
 
 def load_drafter_config(path: str | Path, *, mask_token_id: int | None = None) -> DFlashConfig:

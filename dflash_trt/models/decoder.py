@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from dflash_trt.layers.kv_cache import PagedKVCache, store_kv
 from dflash_trt.layers.linear import FusedLinear
-from dflash_trt.layers.masks import visibility_mask
+from dflash_trt.layers.masks import block_visibility_mask, visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
@@ -226,6 +226,7 @@ class NativeTarget(nn.Module):
         *,
         tap_layers: Sequence[int] | None = None,
         logits_index: torch.Tensor | None = None,
+        block_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run new tokens and return (logits, taps).
 
@@ -234,6 +235,10 @@ class NativeTarget(nn.Module):
         ctx_index: [bs, Lc] cache slots of positions 0..Lc-1 (Lc >= max seq_len);
         logits_index: [bs] row to keep per sequence (prefill), else logits for every row [bs, T, V];
         taps: [bs, T, K * D] concatenated outputs of `tap_layers` (hidden_states[l + 1] in HF terms).
+        block_mask: [bs, T, T] bool, optional (DDTree verification): the new tokens' visibility among
+        themselves ([i, j] = row i sees row j; a tree: ancestors and itself). Then row i's K/V must sit
+        at cache column seq_lens - T + i (positions may repeat: they are the nodes' depths past the
+        anchor), and every column before seq_lens - T stays visible as past context. None = causal.
         """
         bs, _ = input_ids.shape
         lc = ctx_index.shape[1]
@@ -247,8 +252,12 @@ class NativeTarget(nn.Module):
         for i, module in enumerate(self.model.layers):
             layer = cast(DecoderLayer, module)
             window = self.config.layer_window(i)
-            if window not in masks:
+            if window not in masks and block_mask is None:
                 masks[window] = visibility_mask(positions, k_pos, k_valid, causal=True, window=window)
+            elif window not in masks:
+                assert block_mask is not None
+                start = seq_lens - input_ids.shape[1]  # column of row 0's K/V
+                masks[window] = block_visibility_mask(positions, k_valid, start, block_mask, window=window)
             x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, ctx_index, masks[window])
             if i in wanted:
                 taps[i] = x

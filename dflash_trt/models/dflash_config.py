@@ -25,6 +25,17 @@ SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def max_draft_len_for(block_size: int) -> int:
+    """Draft tokens per round of a block of `block_size` slots (one anchor + the drafts): TensorRT-LLM's
+    `max_draft_len`. The only place `block_size - 1` is computed; `block_size_for` is its inverse."""
+    return block_size - 1
+
+
+def block_size_for(max_draft_len: int) -> int:
+    """The block that `max_draft_len` drafts per round fill (the inverse of `max_draft_len_for`)."""
+    return max_draft_len + 1
+
+
 @dataclass(frozen=True, slots=True)
 class DFlashConfig:
     """Resolved drafter configuration (z-lab v1 semantics)."""
@@ -56,8 +67,8 @@ class DFlashConfig:
     # --- derived -------------------------------------------------------------------------
     @property
     def max_draft_len(self) -> int:
-        """Draft tokens per round. The only place `block_size - 1` is computed."""
-        return self.block_size - 1
+        """Draft tokens per round of this drafter's trained block (see `max_draft_len_for`)."""
+        return max_draft_len_for(self.block_size)
 
     @property
     def num_target_features(self) -> int:

@@ -59,6 +59,21 @@ def load_tokenizer(target_dir: Path) -> Any | None:
         ) from exc
 
 
+def chat_prompt_ids(tokenizer: Any, messages: Any, *, generation_prompt: bool = True) -> list[int]:
+    """The tokenised chat template of `messages` (thinking off), with the assistant's generation
+    prompt after them unless generation_prompt=False: how `generate --chat`, training data and
+    regeneration all put a conversation into ids."""
+    return list(
+        tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            enable_thinking=False,
+            return_dict=False,
+        )
+    )
+
+
 def default_stop_token_ids(target_dir: Path, tokenizer: Any | None) -> list[int]:
     """eos ids from generation_config.json, then config.json, then the tokenizer."""
     import json

@@ -61,6 +61,25 @@ def _req(cfg: dict[str, Any], key: str) -> int:
     return value
 
 
+def _attention_layers(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, list[str]]:
+    """(sliding window or None, per-layer attention type), from `layer_types` when the config has
+    it, else from each family's own rule (Qwen: from max_window_layers on, when use_sliding_window)."""
+    sliding = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        sliding = None
+    if sliding is None:
+        return None, ["full_attention"] * layers
+    if layer_types is not None:
+        return sliding, list(layer_types)
+    if model_type == "mistral":
+        return sliding, ["sliding_attention"] * layers
+    if model_type in ("qwen2", "qwen3"):
+        mwl = cfg.get("max_window_layers", layers)
+        return sliding, ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+    return sliding, ["full_attention"] * layers
+
+
 def parse_target_config(hf_config: dict[str, Any]) -> TargetConfig:
     cfg = dict(hf_config.get("text_config") or hf_config)
     model_type = cfg.get("model_type") or hf_config.get("model_type")
@@ -76,20 +95,7 @@ def parse_target_config(hf_config: dict[str, Any]) -> TargetConfig:
     hidden = _req(cfg, "hidden_size")
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    sliding = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        sliding = None
-    if layer_types is None:
-        if model_type == "mistral" and sliding is not None:
-            layer_types = ["sliding_attention"] * layers
-        elif model_type in ("qwen2", "qwen3") and sliding is not None:
-            mwl = cfg.get("max_window_layers", layers)
-            layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
-        else:
-            layer_types = ["full_attention"] * layers
-    if sliding is None:
-        layer_types = ["full_attention"] * layers
+    sliding, layer_types = _attention_layers(cfg, model_type, layers)
     attention_bias = bool(cfg.get("attention_bias", False))
     moe = None
     if model_type == "gpt_oss":

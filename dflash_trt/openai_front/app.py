@@ -5,6 +5,10 @@ Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `GET /health` (200 when Triton and the model are ready, else 503:
 the readiness probe), `GET /health/live` (the front's event loop answers: the liveness probe).
 
+With an API key (FrontConfig.api_key) every route but the two health probes needs
+`Authorization: Bearer <key>`; anything else is a 401 in OpenAI's error shape (`_auth`), and the
+front sends the same key to Triton's gRPC endpoint.
+
 A client that disconnects cancels its handler (`handler_cancellation=True`), which closes the
 upstream generator, which cancels the Triton stream: the model aborts the request.
 """
@@ -26,6 +30,7 @@ from dflash_trt.errors import UsageError
 from dflash_trt.openai_front import protocol as P
 from dflash_trt.openai_front.chat import ChatTemplate
 from dflash_trt.openai_front.upstream import Piece, Upstream
+from dflash_trt.utils.api_key import HTTP_HEADER, ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ KEY_CFG: web.AppKey[FrontConfig] = web.AppKey("cfg")
 KEY_UP: web.AppKey[Upstream] = web.AppKey("upstream")
 KEY_CHAT: web.AppKey[ChatTemplate | None] = web.AppKey("chat")
 SHUTDOWN_GRACE_S = 30.0  # in-flight requests get this long to finish on shutdown, then are cancelled
+OPEN_PATHS = frozenset({"/health", "/health/live"})  # probes answer without the API key
 
 
 @dataclass
@@ -42,8 +48,9 @@ class FrontConfig:
     served_names: list[str]  # OpenAI model ids (the first is listed by /v1/models)
     host: str = "127.0.0.1"
     port: int = 9000
-    max_seq_len: int | None = None
+    max_seq_len: int | None = None  # the chat default (what the context leaves) and /v1/models
     created: int = field(default_factory=P.now)
+    api_key: ApiKey | None = None  # required from clients, and sent to Triton
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -70,6 +77,27 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         log.exception("request %s %s failed", request.method, request.path)
         err = P.OpenAIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error")
         return _json(err.body(), 500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    """401 (OpenAI's shape, `WWW-Authenticate: Bearer`) unless the request carries the key."""
+    key = request.app[KEY_CFG].api_key
+    if key is None or request.path in OPEN_PATHS:
+        return await handler(request)
+    presented = request.headers.get(HTTP_HEADER)
+    if key.accepts(presented):
+        return await handler(request)
+    if presented:
+        message = "Incorrect API key provided; fix: send the server's key as `Authorization: Bearer <key>`"
+    else:
+        message = (
+            "No API key provided; fix: send `Authorization: Bearer <key>` (the key serve was started with)"
+        )
+    err = P.OpenAIError(message, status=401, code="invalid_api_key")
+    resp = _json(err.body(), 401)
+    resp.headers["WWW-Authenticate"] = 'Bearer realm="dflash-trt"'
+    return resp
 
 
 async def _body(request: web.Request) -> Any:
@@ -117,13 +145,13 @@ async def live(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[KEY_CFG]
-    gen = P.parse_completions(await _body(request), cfg.served_names, max_seq_len=cfg.max_seq_len)
+    gen = P.parse_completions(await _body(request), cfg.served_names)
     return await _run(request, gen)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[KEY_CFG]
-    gen = P.parse_chat(await _body(request), cfg.served_names, max_seq_len=cfg.max_seq_len)
+    gen = P.parse_chat(await _body(request), cfg.served_names)
     chat = request.app[KEY_CHAT]
     if chat is None:
         raise P.OpenAIError(
@@ -132,15 +160,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )  # fmt: skip
     assert gen.messages is not None
     gen.prompt = chat.render(gen.messages, gen.chat_template_kwargs)
-    if gen.max_tokens is None:
-        if cfg.max_seq_len is None:
-            gen.max_tokens = P.COMPLETIONS_DEFAULT_MAX_TOKENS
-        else:
-            left = cfg.max_seq_len - chat.count(gen.prompt)
-            if left < 1:
-                raise P.bad("messages", f"<{cfg.max_seq_len - left} tokens>", "leave no room for output "
-                            f"in the context (max_seq_len={cfg.max_seq_len})", "send shorter messages")  # fmt: skip
-            gen.max_tokens = left
+    if gen.max_tokens is None and cfg.max_seq_len is not None:
+        # OpenAI's chat default: what the context leaves. A prompt that leaves nothing goes as it is
+        # (with the model's default max_tokens): the engine refuses it, naming the prompt.
+        left = cfg.max_seq_len - chat.count(gen.prompt)
+        gen.max_tokens = left if left >= 1 else None
     return await _run(request, gen)
 
 
@@ -226,7 +250,7 @@ async def _stream(
 
 # ---------------------------------------------------------------------------------------- app
 def build_app(cfg: FrontConfig, upstream: Upstream, chat: ChatTemplate | None) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024**2)
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 1024**2)
     app[KEY_CFG] = cfg
     app[KEY_UP] = upstream
     app[KEY_CHAT] = chat
@@ -289,7 +313,8 @@ class FrontThread:
         self._loop.run_forever()
 
     async def _serve(self) -> None:
-        app = build_app(self.cfg, Upstream(self.cfg.triton_url, self.cfg.triton_model), self.chat)
+        upstream = Upstream(self.cfg.triton_url, self.cfg.triton_model, api_key=self.cfg.api_key)
+        app = build_app(self.cfg, upstream, self.chat)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
                                      access_log=None)  # fmt: skip
         await self._runner.setup()

@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """OpenAI request bodies in, one `Generation` out; response bodies and the error shape.
 
-Pure functions over JSON values (no I/O), so every rule is unit-testable. A bad or unsupported
-field raises `OpenAIError` (HTTP 400, OpenAI's `{"error": {message, type, param, code}}`) whose
-message names the field, the value and the fix.
+Pure functions over JSON values (no I/O). What is checked here is the protocol: the endpoint's
+fields, JSON types, what this front does not support, and ranges the Triton inputs cannot carry
+(INT32, UINT64). A bad or unsupported field raises `OpenAIError` (HTTP 400, OpenAI's
+`{"error": {message, type, param, code}}`) whose message names the field, the value and the fix.
+What a value means (max_tokens against max_seq_len, sampling ranges, min_tokens, stop ids) is the
+engine's rule (`LLMEngine.add_request`): its refusal comes back through Triton naming the field,
+and `upstream.model_error` turns it into the same 400.
 
 Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
 `stop` (strings), `n=1`, `stream`, `stream_options.include_usage`; extensions as in vLLM:
@@ -21,10 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-# OpenAI's documented upper bound for temperature.
-MAX_TEMPERATURE = 2.0
-MAX_STOP_STRINGS = 16
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+INT32 = (-(2**31), 2**31 - 1)  # what an INT32 Triton input carries
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engines' own default, all-None, would be greedy)
 
 # The extension object that carries the DFlash statistics of one response: its keys, and the
@@ -79,7 +81,8 @@ class Generation:
     prompt: str | None = None  # completions: the prompt text; chat: filled in by the chat template
     messages: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_tokens: int | None = None  # None (chat only): what the context leaves
+    max_tokens: int | None = None  # None: the model's default (chat: app.py fills in what the context leaves)
+    max_tokens_param: str = "max_tokens"  # the field the client used: max_tokens or max_completion_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -163,30 +166,24 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str] | set[str], endpoi
             raise bad(key, body[key], problem, fix)
 
 
-def _int(body: dict[str, Any], key: str, *, lo: int, hi: int | None = None, fix: str) -> int | None:
+def _int(body: dict[str, Any], key: str, *, lo: int, hi: int, fix: str) -> int | None:
+    """An integer field within what its Triton input carries (lo..hi)."""
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad(key, v, f"must be an integer {rng}", fix)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(key, v, "must be an integer", fix)
+    if not lo <= v <= hi:
+        raise bad(key, v, f"is outside [{lo}, {hi}], what its Triton input carries", fix)
     return v
 
 
-def _float(
-    body: dict[str, Any], key: str, *, lo: float, hi: float, lo_open: bool = False, fix: str
-) -> float | None:
+def _float(body: dict[str, Any], key: str, *, fix: str) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    ok = (
-        isinstance(v, (int, float))
-        and not isinstance(v, bool)
-        and v <= hi
-        and (v > lo if lo_open else v >= lo)
-    )
-    if not ok:
-        raise bad(key, v, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]", fix)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise bad(key, v, "must be a number", fix)
     return float(v)
 
 
@@ -209,14 +206,16 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         raise bad("model", model, "is not served here", f"send one of {', '.join(served)} (GET /v1/models)",
                   code="model_not_found")  # fmt: skip
     gen.model = model
-    temperature = _float(body, "temperature", lo=0.0, hi=MAX_TEMPERATURE, fix="0 is greedy; at most 2")
+    temperature = _float(body, "temperature", fix="send a number; 0 is greedy")
     gen.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
-    gen.top_p = _float(body, "top_p", lo=0.0, hi=1.0, lo_open=True, fix="send a value in (0, 1], 1 = off")
+    gen.top_p = _float(body, "top_p", fix="send a number in (0, 1], 1 = off")
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's "off"
         top_k = 0
-    gen.top_k = _int({"top_k": top_k}, "top_k", lo=0, fix="send an integer >= 0 (0 or -1 = off)")
-    gen.seed = _int(body, "seed", lo=0, hi=2**64 - 1, fix="send a non-negative integer")
+    gen.top_k = _int(
+        {"top_k": top_k}, "top_k", lo=INT32[0], hi=INT32[1], fix="send an integer >= 0 (0 or -1 = off)"
+    )
+    gen.seed = _int(body, "seed", lo=0, hi=2**64 - 1, fix="send a non-negative integer")  # UINT64
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -224,18 +223,16 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", body.get("stop"), "must be a non-empty string or a list of non-empty strings",
                       "send stop strings; stop token ids go in stop_token_ids")  # fmt: skip
-        if len(stop) > MAX_STOP_STRINGS:
-            raise bad("stop", stop, f"more than {MAX_STOP_STRINGS} stop strings", "send fewer stop strings")
         gen.stop = list(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids
+            isinstance(i, int) and not isinstance(i, bool) and INT32[0] <= i <= INT32[1] for i in ids
         ):
-            raise bad("stop_token_ids", ids, "must be a list of token ids (integers >= 0)", "send e.g. [2]")
+            raise bad("stop_token_ids", ids, "must be a list of token ids (integers)", "send e.g. [2]")
         gen.stop_token_ids = list(ids)
     gen.ignore_eos = _bool(body, "ignore_eos")
-    gen.min_tokens = _int(body, "min_tokens", lo=0, hi=2**31 - 1, fix="send an integer >= 0")
+    gen.min_tokens = _int(body, "min_tokens", lo=INT32[0], hi=INT32[1], fix="send an integer >= 0")
     gen.stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None:
@@ -253,30 +250,31 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         gen.continuous_usage = _bool(opts, "continuous_usage_stats", prefix="stream_options.")
 
 
-def _max_tokens(gen: Generation, key: str, value: Any, ceiling: int | None) -> None:
+def _max_tokens(gen: Generation, key: str, value: Any) -> None:
+    """max_tokens (or chat's max_completion_tokens), as far as the INT32 input carries it."""
     if value is None:
         return
-    hi = ceiling if ceiling is not None else 2**31 - 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value > hi:
-        raise bad(key, value, f"must be an integer in [1, {hi}]", f"send {key} <= {hi}")
-    gen.max_tokens = value
+    gen.max_tokens = _int({key: value}, key, lo=INT32[0], hi=INT32[1], fix=f"send {key} >= 1")
+    gen.max_tokens_param = key
 
 
-def _check_min_tokens(gen: Generation) -> None:
-    if gen.min_tokens is not None and gen.max_tokens is not None and gen.min_tokens > gen.max_tokens:
-        raise bad("min_tokens", gen.min_tokens, f"exceeds max_tokens={gen.max_tokens}",
-                  "send min_tokens <= max_tokens")  # fmt: skip
-
-
-def parse_completions(body: Any, served: list[str], *, max_seq_len: int | None = None) -> Generation:
-    """POST /v1/completions."""
+def _begin(body: Any, served: list[str], *, kind: str) -> tuple[dict[str, Any], Generation]:
+    """The body as an object of the endpoint's keys, and a Generation with the fields both share."""
     body = _object(body)
-    _check_keys(body, _COMPLETIONS_KEYS, "/v1/completions")
-    gen = Generation(kind="completions", model="")
+    if kind == "chat":
+        _check_keys(body, _CHAT_KEYS, "/v1/chat/completions")
+    else:
+        _check_keys(body, _COMPLETIONS_KEYS, "/v1/completions")
+    gen = Generation(kind=kind, model="")
     _common(body, gen, served)
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, 0):
-        raise bad("logprobs", logprobs, "log-probabilities are not computed", "omit logprobs")
+    return body, gen
+
+
+def parse_completions(body: Any, served: list[str]) -> Generation:
+    """POST /v1/completions."""
+    body, gen = _begin(body, served, kind="completions")
+    if body.get("logprobs") not in (None, 0):
+        raise bad("logprobs", body.get("logprobs"), "log-probabilities are not computed", "omit logprobs")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -292,20 +290,20 @@ def parse_completions(body: Any, served: list[str], *, max_seq_len: int | None =
         raise bad("prompt", prompt, "is empty", "send a non-empty prompt string")
     gen.prompt = prompt
     gen.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    _max_tokens(gen, "max_tokens", body.get("max_tokens"), max_seq_len)
-    _check_min_tokens(gen)
+    _max_tokens(gen, "max_tokens", body.get("max_tokens"))
     return gen
 
 
-def parse_chat(body: Any, served: list[str], *, max_seq_len: int | None = None) -> Generation:
+def parse_chat(body: Any, served: list[str]) -> Generation:
     """POST /v1/chat/completions (the prompt text is rendered later by the chat template)."""
-    body = _object(body)
-    _check_keys(body, _CHAT_KEYS, "/v1/chat/completions")
-    gen = Generation(kind="chat", model="")
-    _common(body, gen, served)
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False):
-        raise bad("logprobs", logprobs, "log-probabilities are not computed", "omit logprobs or send false")
+    body, gen = _begin(body, served, kind="chat")
+    if body.get("logprobs") not in (None, False):
+        raise bad(
+            "logprobs",
+            body.get("logprobs"),
+            "log-probabilities are not computed",
+            "omit logprobs or send false",
+        )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", fmt, "structured output is not supported",
@@ -325,9 +323,7 @@ def parse_chat(body: Any, served: list[str], *, max_seq_len: int | None = None) 
     a, b = body.get("max_tokens"), body.get("max_completion_tokens")
     if a is not None and b is not None and a != b:
         raise bad("max_completion_tokens", b, f"differs from max_tokens={a}", "send only one of the two")
-    _max_tokens(gen, "max_completion_tokens" if b is not None else "max_tokens", b if b is not None else a,
-                max_seq_len)  # fmt: skip
-    _check_min_tokens(gen)
+    _max_tokens(gen, "max_completion_tokens" if b is not None else "max_tokens", b if b is not None else a)
     return gen
 
 

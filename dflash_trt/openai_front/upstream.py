@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,17 +23,15 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
-from dflash_trt.triton.kserve import decode_first_raw
+from dflash_trt.triton.kserve import decode_first_raw, parse_model_error
+from dflash_trt.utils.api_key import ApiKey
 
 # Speculative statistics read from the final response.
 STATS_OUTPUTS = tuple(DFLASH_STATS.values())
 # HTTP/2 servers commonly cap concurrent streams per connection at 100; stay below.
 STREAMS_PER_CHANNEL = 64
-# The model answers an internal failure as "<ExceptionType>: <message>"; a bad request plainly.
-_INTERNAL = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
-# ...and UNAVAILABLE (a dead engine, draining) with this prefix: a gRPC stream error carries no code
-# (UNAVAILABLE_PREFIX in triton/templates/model.py).
-UNAVAILABLE_PREFIX = "unavailable: "
+# How Triton refuses a request without the key of a restricted protocol (gRPC status UNAVAILABLE).
+RESTRICTED = "This protocol is restricted"
 
 
 @dataclass
@@ -60,16 +57,28 @@ def _first_values(response: Any) -> dict[str, Any]:
     return out
 
 
-def model_error(message: str, *, prompt_param: str = "prompt") -> OpenAIError:
-    """A request the model refused (before any output): 400 naming the field when the message does
-    (`prompt_param`: what carries the prompt in the OpenAI request); the model unavailable (its engine
-    died, or it drains): 503; an internal failure: 500."""
-    if message.startswith(UNAVAILABLE_PREFIX):
-        return OpenAIError(message, status=503, type="server_error")
-    if _INTERNAL.match(message):
-        return OpenAIError(f"the model failed: {message}", status=500, type="server_error")
-    param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
-    return OpenAIError(message, param=param)
+def model_error(text: str, gen: Generation) -> OpenAIError:
+    """What the model (or Triton) answered instead of a response, read from the error trailer the
+    model puts on every error (kserve.parse_model_error): a refused request is a 400 whose `param`
+    is the field the model named; a draining model a 503; any other failure a 500."""
+    err = parse_model_error(text)
+    if err.kind == "UNAVAILABLE":
+        return OpenAIError(f"the model is unavailable: {err.message}", status=503, type="server_error")
+    if err.kind not in (None, "INVALID_ARG"):  # Triton's own errors carry no trailer: bad requests
+        return OpenAIError(f"the model failed: {err.message}", status=500, type="server_error")
+    return OpenAIError(err.message, param=_param(err.field, gen))
+
+
+def _param(field: str | None, gen: Generation) -> str | None:
+    """The OpenAI request field behind a field the model named (an input name or an engine field)."""
+    if field is None:
+        return None
+    name = field.removeprefix("sampling_param_")
+    if name in ("prompt", "text_input"):
+        return "messages" if gen.kind == "chat" else "prompt"
+    if name == "max_tokens":
+        return gen.max_tokens_param
+    return name
 
 
 class _Stream:
@@ -80,10 +89,10 @@ class _Stream:
     flight; a request abandoned mid-way cancels its stream, which cancels the request in Triton.
     """
 
-    def __init__(self, client: Any, slot: int) -> None:
+    def __init__(self, client: Any, slot: int, headers: dict[str, str] | None) -> None:
         self.slot = slot
         self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self.call = client.stream_infer(self._requests())
+        self.call = client.stream_infer(self._requests(), headers=headers)
 
     async def _requests(self) -> AsyncIterator[dict[str, Any]]:
         while True:
@@ -104,9 +113,11 @@ class _Stream:
 
 
 class Upstream:
-    def __init__(self, url: str, model_name: str) -> None:
+    def __init__(self, url: str, model_name: str, *, api_key: ApiKey | None = None) -> None:
         self.url = url
         self.model_name = model_name
+        # gRPC metadata for Triton's restricted protocols (health needs none)
+        self._headers = dict(api_key.grpc_metadata()) if api_key is not None else None
         self._clients: list[Any] = []
         self._streams: list[int] = []  # open streams (busy + idle) per client
         self._idle: list[_Stream] = []
@@ -144,7 +155,7 @@ class Upstream:
             return self._idle.pop()
         i = self._client()
         self._streams[i] += 1
-        return _Stream(self._clients[i], i)
+        return _Stream(self._clients[i], i, self._headers)
 
     def _release(self, stream: _Stream, *, reusable: bool) -> None:
         if reusable and stream.slot < len(self._clients):
@@ -165,10 +176,11 @@ class Upstream:
         values: list[tuple[str, str, Any]] = [
             ("text_input", "BYTES", [(gen.prompt or "").encode("utf-8")]),
             ("streaming", "BOOL", [gen.stream]),
-            ("sampling_param_max_tokens", "INT32", [gen.max_tokens]),
             ("sampling_param_return_perf_metrics", "BOOL", [True]),
             ("return_finish_reason", "BOOL", [True]),
         ]
+        if gen.max_tokens is not None:  # else the model's default (SamplingParams.max_tokens)
+            values.append(("sampling_param_max_tokens", "INT32", [gen.max_tokens]))
         if gen.stream and not gen.stop:  # with stop strings the front cuts deltas itself (StopHoldback)
             values.append(("streaming_delta", "BOOL", [True]))
         if gen.temperature is not None:
@@ -219,25 +231,10 @@ class Upstream:
                     result, error = await stream.read()
                     if error is not None:
                         finished = True  # Triton's error response is the request's last
-                        msg = str(getattr(error, "message", lambda: None)() or error)
-                        if produced and not msg.startswith(UNAVAILABLE_PREFIX):
-                            raise OpenAIError(
-                                f"the model failed mid-stream: {msg}", status=500, type="server_error"
-                            )
-                        raise model_error(msg, prompt_param="messages" if gen.kind == "chat" else "prompt")
-                    response = result.get_response()
-                    final = bool(response.parameters["triton_final_response"].bool_param)
-                    values = _first_values(response)
-                    piece = Piece(
-                        text=values.get("text_output") or "",
-                        completion_tokens=values.get("num_output_tokens"),
-                        prompt_tokens=values.get("num_input_tokens"),
-                        finish_reason=values.get("finish_reason") if final else None,
-                        final=final,
-                    )
+                        raise _refusal(error, gen, produced=produced)
+                    piece = _piece(result.get_response())
                     produced = True
-                    if final:
-                        piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
+                    if piece.final:
                         finished = reusable = True
                         self._release(stream, reusable=True)  # before the yield: the consumer may stop
                         yield piece
@@ -247,19 +244,7 @@ class Upstream:
                 finished = True
                 if reused and not produced and attempt == 0:
                     continue  # a stale stream: once more on a fresh one
-                if isinstance(exc, StopAsyncIteration):
-                    raise OpenAIError(
-                        "the Triton stream ended before the final response", status=502, type="server_error"
-                    ) from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise OpenAIError(
-                        f"the Triton server at {self.url} is unavailable ({exc.details()})",
-                        status=503,
-                        type="server_error",
-                    ) from None
-                raise OpenAIError(
-                    f"Triton gRPC {exc.code().name}: {exc.details()}", status=502, type="server_error"
-                ) from None
+                raise self._transport_error(exc) from None
             finally:
                 if not reusable:
                     if finished:
@@ -267,3 +252,50 @@ class Upstream:
                     else:
                         stream.call.cancel()  # the client left: Triton cancels the request
                     self._release(stream, reusable=False)
+
+    def _transport_error(self, exc: BaseException) -> OpenAIError:
+        if isinstance(exc, StopAsyncIteration):
+            return OpenAIError(
+                "the Triton stream ended before the final response", status=502, type="server_error"
+            )
+        assert isinstance(exc, grpc.aio.AioRpcError)
+        if RESTRICTED in (exc.details() or ""):  # Triton 2.51 answers a missing key UNAVAILABLE
+            return OpenAIError(
+                f"the Triton server at {self.url} refused the front's API key ({exc.details()}); fix: "
+                "start the front with the key Triton was started with",
+                status=502,
+                type="server_error",
+            )
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return OpenAIError(
+                f"the Triton server at {self.url} is unavailable ({exc.details()})",
+                status=503,
+                type="server_error",
+            )
+        return OpenAIError(f"Triton gRPC {exc.code().name}: {exc.details()}", status=502, type="server_error")
+
+
+def _refusal(error: Any, gen: Generation, *, produced: bool) -> OpenAIError:
+    """Triton's error response: before any output it decides the status; after some, a 500 (503
+    when the model became unavailable: its engine died, or it drains)."""
+    text = str(getattr(error, "message", lambda: None)() or error)
+    if produced and parse_model_error(text).kind != "UNAVAILABLE":
+        message = parse_model_error(text).message
+        return OpenAIError(f"the model failed mid-stream: {message}", status=500, type="server_error")
+    return model_error(text, gen)
+
+
+def _piece(response: Any) -> Piece:
+    """One ModelInferResponse as a Piece (the speculative statistics ride on the final one)."""
+    final = bool(response.parameters["triton_final_response"].bool_param)
+    values = _first_values(response)
+    piece = Piece(
+        text=values.get("text_output") or "",
+        completion_tokens=values.get("num_output_tokens"),
+        prompt_tokens=values.get("num_input_tokens"),
+        finish_reason=values.get("finish_reason") if final else None,
+        final=final,
+    )
+    if final:
+        piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
+    return piece

@@ -6,6 +6,8 @@
                             (block_attention.py)
   dflash::greedy_accept     greedy verification (accept.py)
   dflash::rejection_accept  lossless rejection-sampling verification (accept.py)
+  dflash::tree_attention    the target's attention over [paged context ; DDTree nodes] under the
+                            ancestor mask (tree_attention.py)
 
 Each op's default implementation is its PyTorch reference (CPU); CUDA tensors dispatch to the
 Triton launcher. Importing this package imports neither torch nor triton: `load_ops()` registers the
@@ -19,8 +21,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-OP_MODULES = ("context_kv", "block_attention", "accept")
-OPS = ("inject_context", "block_attention", "greedy_accept", "rejection_accept")
+OP_MODULES = ("context_kv", "block_attention", "accept", "tree_attention")
 
 
 def triton_installed() -> bool:

@@ -273,7 +273,7 @@ def choose_num_splits(*, bs: int, num_kv_heads: int, span: int, block_n: int, de
     return max(1, min(want, math.ceil(max(1, span) / block_n), MAX_SPLITS))
 
 
-def launch_block_attention(
+def _check_launch(
     q: torch.Tensor,
     k_block: torch.Tensor,
     v_block: torch.Tensor,
@@ -282,15 +282,9 @@ def launch_block_attention(
     ctx_index: torch.Tensor,
     ctx_lens: torch.Tensor,
     block_lens: torch.Tensor,
-    causal: bool,
     window: int,
-    scale: float,
-    *,
-    num_splits: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
-) -> torch.Tensor:
-    """The Triton path. num_splits None picks `choose_num_splits`; tests force 1, 2, 3..."""
-    reg.require_triton(OP)
+) -> None:
+    """Shapes, dtypes, strides and devices the kernels assume (a violation is an error, not garbage)."""
     bs, blk, h, d = q.shape
     hkv = k_block.shape[2]
     chk = reg.check
@@ -310,6 +304,29 @@ def launch_block_attention(
     chk(ctx_lens.dtype == torch.int64 and block_lens.dtype == torch.int64, OP, "lengths must be int64")
     chk(window >= 0, OP, f"window={window} must be >= 0 (0 = none)")
     reg.check_same_device(OP, q, k_block, v_block, k_cache, v_cache, ctx_index, ctx_lens, block_lens)
+
+
+def launch_block_attention(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx_index: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    block_lens: torch.Tensor,
+    causal: bool,
+    window: int,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> torch.Tensor:
+    """The Triton path. num_splits None picks `choose_num_splits`; tests force 1, 2, 3..."""
+    reg.require_triton(OP)
+    _check_launch(q, k_block, v_block, k_cache, v_cache, ctx_index, ctx_lens, block_lens, window)
+    bs, blk, h, d = q.shape
+    hkv = k_block.shape[2]
     out = torch.empty(bs, blk, h, d, dtype=q.dtype, device=q.device)
     if bs == 0 or blk == 0:
         return out

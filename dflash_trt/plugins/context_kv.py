@@ -194,7 +194,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_inject_context(
+def _check_launch(
     features: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
@@ -204,12 +204,10 @@ def launch_inject_context(
     kv_bias: torch.Tensor | None,
     k_norm_weight: torch.Tensor,
     inv_freq: torch.Tensor,
-    attention_scaling: float,
-    eps: float,
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
 ) -> None:
-    reg.require_triton(OP)
+    """Shapes, dtypes, strides and devices the kernels assume (a violation is an error, not garbage)."""
     chk = reg.check
     n = features.shape[0]
     num_layers = len(k_caches)
@@ -248,6 +246,28 @@ def launch_inject_context(
     reg.check_same_device(
         OP, features, positions, slots, fc_weight, kv_weight, inv_freq, *k_caches, *v_caches
     )
+
+
+def launch_inject_context(
+    features: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    fc_weight: torch.Tensor,
+    hidden_norm_weight: torch.Tensor,
+    kv_weight: torch.Tensor,
+    kv_bias: torch.Tensor | None,
+    k_norm_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    eps: float,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+) -> None:
+    reg.require_triton(OP)
+    _check_launch(features, positions, slots, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                  inv_freq, k_caches, v_caches)  # fmt: skip
+    n, num_layers, dim = features.shape[0], len(k_caches), fc_weight.shape[0]
+    hkv, d = k_caches[0].shape[1:]
     if n == 0:
         return
     dtype = fc_weight.dtype

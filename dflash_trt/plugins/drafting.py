@@ -193,78 +193,102 @@ def enable_plugins(
 def self_check(drafter: DFlashDrafter | None, device: torch.device) -> str | None:
     """Run each op on `device` (Triton on CUDA) against its reference on small random inputs of the
     drafter's sizes. Returns None when all agree, else a description of the first problem."""
-    from dflash_trt.plugins import accept, block_attention, context_kv
-
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
+    rand = _RandomInputs(device)
     try:
-        n, g, vocab = 3, 3, 1000
-        logits = rand(n, g + 1, vocab)
-        drafts = logits[:, :g].argmax(-1)
-        drafts[1, 1] = (drafts[1, 1] + 1) % vocab  # one rejection
-        valid = torch.ones(n, g, dtype=torch.bool, device=device)
-        got = torch.ops.dflash.greedy_accept(drafts, logits, valid)
-        want = accept.greedy_accept_reference(drafts, logits, valid)
-        if not all(torch.equal(a, b) for a, b in zip(got, want)):
-            return "dflash::greedy_accept disagrees with its reference"
-        p = torch.softmax(rand(n, g + 1, vocab), -1)
-        q = torch.softmax(rand(n, g, vocab), -1)
-        ua, ue = torch.rand(n, g, generator=gen).to(device), torch.rand(n, g + 1, generator=gen).to(device)
-        got = torch.ops.dflash.rejection_accept(drafts, q, p, ua, ue, valid)
-        want = accept.rejection_accept_reference(drafts, q, p, ua, ue, valid)
-        if not all(torch.equal(a, b) for a, b in zip(got[:1], want[:1])):
-            return "dflash::rejection_accept disagrees with its reference"
-        if drafter is None:
-            return None
-        cfg = drafter.config
-        dtype = drafter.fc.weight.dtype
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        h, hkv, d, bq = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
-        page, pages = 16, 5
-        slots_total = (pages + 1) * page
-        kc, vc = rand(slots_total, hkv, d, dtype=dtype), rand(slots_total, hkv, d, dtype=dtype)
-        tables = torch.arange(1, pages + 1, device=device).reshape(1, pages).expand(2, pages)
-        ctx_index = (tables[:, :, None] * page + torch.arange(page, device=device)).reshape(2, -1)
-        ctx_lens = torch.tensor([pages * page - 3, 7], device=device)
-        blens = torch.tensor([bq, max(1, bq // 2)], device=device)
-        qb, kb, vb = (
-            rand(2, bq, h, d, dtype=dtype),
-            rand(2, bq, hkv, d, dtype=dtype),
-            rand(2, bq, hkv, d, dtype=dtype),
-        )
-        for li in range(cfg.num_hidden_layers):
-            causal, window = cfg.layer_is_causal(li), cfg.layer_window(li) or 0
-            args = (qb, kb, vb, kc, vc, ctx_index, ctx_lens, blens, causal, window, d**-0.5)
-            got_o = torch.ops.dflash.block_attention(*args).float()
-            want_o = block_attention.block_attention_reference(*args).float()
-            rows = torch.arange(bq, device=device)[None, :] < blens[:, None]
-            if not torch.allclose(got_o[rows], want_o[rows], atol=tol, rtol=tol):
-                return (
-                    f"dflash::block_attention (causal={causal}, window={window}) disagrees with its reference"
-                )
-        plug = DrafterPlugins(drafter)
-        num = 5
-        feats = rand(num, cfg.num_target_features * cfg.hidden_size, dtype=dtype)
-        pos = torch.arange(num, device=device) * 7
-        slot = torch.arange(num, device=device) + page
-        k1 = [
-            torch.zeros(slots_total, hkv, d, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
-        v1 = [torch.zeros_like(t) for t in k1]
-        k2 = [torch.zeros_like(t) for t in k1]
-        v2 = [torch.zeros_like(t) for t in k1]
-        common = (
-            feats, pos, slot, drafter.fc.weight, drafter.hidden_norm.weight, plug.kv_weight, plug.kv_bias,
-            plug.k_norm_weight, plug.inv_freq, float(drafter.rotary.attention_scaling), plug.eps,
-        )  # fmt: skip
-        torch.ops.dflash.inject_context(*common, k1, v1)
-        context_kv.inject_context_reference(*common, k2, v2)
-        for a, b in zip((*k1, *v1), (*k2, *v2)):
-            if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
-                return "dflash::inject_context disagrees with its reference"
+        problem = _check_accept(rand)
+        if problem is None and drafter is not None:
+            problem = _check_block_attention(drafter, rand) or _check_inject_context(drafter, rand)
     except Exception as exc:  # a kernel that fails to compile or launch on this device
         return f"{type(exc).__name__}: {exc}"
+    return problem
+
+
+class _RandomInputs:
+    """Seeded random tensors on the device under check (drawn on the CPU: the same on every device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def normal(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(device=self.device, dtype=dtype)
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.gen).to(self.device)
+
+
+def _check_accept(rand: _RandomInputs) -> str | None:
+    from dflash_trt.plugins import accept
+
+    n, g, vocab = 3, 3, 1000
+    logits = rand.normal(n, g + 1, vocab)
+    drafts = logits[:, :g].argmax(-1)
+    drafts[1, 1] = (drafts[1, 1] + 1) % vocab  # one rejection
+    valid = torch.ones(n, g, dtype=torch.bool, device=rand.device)
+    got = torch.ops.dflash.greedy_accept(drafts, logits, valid)
+    want = accept.greedy_accept_reference(drafts, logits, valid)
+    if not all(torch.equal(a, b) for a, b in zip(got, want)):
+        return "dflash::greedy_accept disagrees with its reference"
+    p = torch.softmax(rand.normal(n, g + 1, vocab), -1)
+    q = torch.softmax(rand.normal(n, g, vocab), -1)
+    ua, ue = rand.uniform(n, g), rand.uniform(n, g + 1)
+    got = torch.ops.dflash.rejection_accept(drafts, q, p, ua, ue, valid)
+    want = accept.rejection_accept_reference(drafts, q, p, ua, ue, valid)
+    if not all(torch.equal(a, b) for a, b in zip(got[:1], want[:1])):
+        return "dflash::rejection_accept disagrees with its reference"
+    return None
+
+
+_PAGE, _PAGES = 16, 5  # the check's paged context: 5 pages of 16 slots after the padding page
+
+
+def _tolerance(drafter: DFlashDrafter) -> float:
+    return 1e-3 if drafter.fc.weight.dtype == torch.float32 else 5e-2
+
+
+def _check_block_attention(drafter: DFlashDrafter, rand: _RandomInputs) -> str | None:
+    from dflash_trt.plugins import block_attention
+
+    cfg, dtype, dev, tol = drafter.config, drafter.fc.weight.dtype, rand.device, _tolerance(drafter)
+    h, hkv, d, bq = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.block_size
+    slots_total = (_PAGES + 1) * _PAGE
+    kc, vc = rand.normal(slots_total, hkv, d, dtype=dtype), rand.normal(slots_total, hkv, d, dtype=dtype)
+    tables = torch.arange(1, _PAGES + 1, device=dev).reshape(1, _PAGES).expand(2, _PAGES)
+    ctx_index = (tables[:, :, None] * _PAGE + torch.arange(_PAGE, device=dev)).reshape(2, -1)
+    ctx_lens = torch.tensor([_PAGES * _PAGE - 3, 7], device=dev)
+    blens = torch.tensor([bq, max(1, bq // 2)], device=dev)
+    qb = rand.normal(2, bq, h, d, dtype=dtype)
+    kb, vb = rand.normal(2, bq, hkv, d, dtype=dtype), rand.normal(2, bq, hkv, d, dtype=dtype)
+    rows = torch.arange(bq, device=dev)[None, :] < blens[:, None]
+    for li in range(cfg.num_hidden_layers):
+        causal, window = cfg.layer_is_causal(li), cfg.layer_window(li) or 0
+        args = (qb, kb, vb, kc, vc, ctx_index, ctx_lens, blens, causal, window, d**-0.5)
+        got_o = torch.ops.dflash.block_attention(*args).float()
+        want_o = block_attention.block_attention_reference(*args).float()
+        if not torch.allclose(got_o[rows], want_o[rows], atol=tol, rtol=tol):
+            return f"dflash::block_attention (causal={causal}, window={window}) disagrees with its reference"
+    return None
+
+
+def _check_inject_context(drafter: DFlashDrafter, rand: _RandomInputs) -> str | None:
+    from dflash_trt.plugins import context_kv
+
+    cfg, dtype, dev, tol = drafter.config, drafter.fc.weight.dtype, rand.device, _tolerance(drafter)
+    plug = DrafterPlugins(drafter)
+    num = 5
+    feats = rand.normal(num, cfg.num_target_features * cfg.hidden_size, dtype=dtype)
+    pos = torch.arange(num, device=dev) * 7
+    slot = torch.arange(num, device=dev) + _PAGE
+    shape = ((_PAGES + 1) * _PAGE, cfg.num_key_value_heads, cfg.head_dim)
+    k1, v1, k2, v2 = ([torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+                      for _ in range(4))  # fmt: skip
+    common = (
+        feats, pos, slot, drafter.fc.weight, drafter.hidden_norm.weight, plug.kv_weight, plug.kv_bias,
+        plug.k_norm_weight, plug.inv_freq, float(drafter.rotary.attention_scaling), plug.eps,
+    )  # fmt: skip
+    torch.ops.dflash.inject_context(*common, k1, v1)
+    context_kv.inject_context_reference(*common, k2, v2)
+    for a, b in zip((*k1, *v1), (*k2, *v2)):
+        if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
+            return "dflash::inject_context disagrees with its reference"
     return None

@@ -30,6 +30,7 @@ from dflash_trt.layers.kv_cache import (
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
 from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.decoding_config import TREE_BUDGET_AUTO, parse_tree_budget
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
@@ -41,6 +42,7 @@ from dflash_trt.spec.sampling import (
     seed_tensor,
     uniform,
 )
+from dflash_trt.spec.tree import DraftTree, build_tree, target_tokens, walk_tree
 
 DRAFT_PAGE_SIZE = 16
 
@@ -136,15 +138,11 @@ class _Draft:
         drafter.bind_target(target.embed_weight(), *target.head())
         return cls(drafter, cache, pages)
 
-    def propose(
-        self, block: torch.Tensor, pending: torch.Tensor, start: int, sampler: _Sampler
-    ) -> torch.Tensor | None:
+    def logits(self, block: torch.Tensor, pending: torch.Tensor, start: int) -> torch.Tensor:
         """Inject the target features of positions [start - len(pending), start), run the drafter
-        over `block` [1, size] (anchor at `start`) and write its drafts into block[0, 1:].
-        Returns the draft distribution q [g, V], or None under greedy sampling (not needed)."""
-        device = sampler.device
+        over `block` [1, size] (anchor at `start`) and return its logits for slots 1.. [size - 1, V]."""
+        device = block.device
         size = block.shape[1]
-        g = size - 1
         table = self.pages.table(device)  # [1, P]
         ctx_pos = torch.arange(start - pending.shape[0], start, device=device)
         self.drafter.inject_context(
@@ -154,11 +152,19 @@ class _Draft:
         hidden = self.drafter.forward_block(
             self.cache,
             self.drafter.embed_block(block),
-            sampler.positions(start, size),
+            torch.arange(start, start + size, device=device)[None],
             context_index(table, DRAFT_PAGE_SIZE, pages_for(start, DRAFT_PAGE_SIZE))[:, :lc],
             torch.tensor([start], device=device),
         )  # [1, size, D]
-        draft_logits = self.drafter.compute_logits(hidden[0, 1:])  # [g, V]
+        return self.drafter.compute_logits(hidden[0, 1:])
+
+    def propose(
+        self, block: torch.Tensor, pending: torch.Tensor, start: int, sampler: _Sampler
+    ) -> torch.Tensor | None:
+        """Draft into block[0, 1:] (see `logits`). Returns the draft distribution q [g, V], or None
+        under greedy sampling (not needed)."""
+        g = block.shape[1] - 1
+        draft_logits = self.logits(block, pending, start)  # [g, V]
         sampling = sampler.config
         draft_probs = None
         if sampling.is_greedy or sampling.greedy_draft:
@@ -244,6 +250,54 @@ def _accept(
     return int(acc[0]), int(emit[0])
 
 
+def _tree_round(
+    target: TargetAdapter,
+    draft: _Draft,
+    block: torch.Tensor,
+    pending: torch.Tensor,
+    start: int,
+    sampler: _Sampler,
+    *,
+    budget: int,
+    layer_ids: list[int],
+) -> tuple[list[int], list[int], torch.Tensor | None, int]:
+    """One DDTree round (dflash-algorithm.md §6) for the block [1, size] (anchor, masks): draft,
+    build the tree of `budget` nodes, verify it in one target pass, walk it. Returns (tokens: the
+    accepted drafts then the target's token, the accepted path's node indices root first, the
+    verify features of every node [T, K * D], nodes drafted). The caller commits a prefix of the path."""
+    g = block.shape[1] - 1
+    tree = build_tree(draft.logits(block, pending, start)[None], block[:, 0], budget=budget)
+    real = int(tree.valid[0].sum())  # real nodes come first; batch 1 needs no padding
+    tree = DraftTree(
+        tree.tokens[:, :real], tree.parents[:, :real], tree.depths[:, :real], tree.valid[:, :real],
+        tree.visibility[:, :real, :real],
+    )  # fmt: skip
+    logits, feats = target.extend_tree(
+        tree.tokens, start, tree.depths[0], tree.visibility[0], layer_ids=layer_ids
+    )  # [T, V], [T, K * D]
+    s = sampler
+    starts = torch.tensor([start], device=s.device)
+    chosen = target_tokens(logits[None], tree, starts, s.seeds, s.temp, s.top_k, s.top_p,
+                           all_greedy=s.config.is_greedy)  # fmt: skip
+    walk = walk_tree(tree, chosen, max_depth=g)
+    a = int(walk.accepted[0])
+    tokens = [*walk.path_tokens[0, :a].tolist(), int(walk.emitted[0])]
+    return tokens, walk.path_nodes[0, : a + 1].tolist(), feats, real - 1
+
+
+@dataclass
+class _Loop:
+    """The state of one generation between rounds."""
+
+    output: list[int]  # generated tokens; the last one is the next round's anchor
+    start: int  # position of the anchor == tokens in the target cache
+    pending: torch.Tensor | None  # [n_pending, K * D] features of positions [start - n_pending, start)
+    finish: str  # "stop" once a stop token is out, else "length"
+    rounds: list[int] = field(default_factory=list)  # tokens each round produced
+    drafted: int = 0
+    accepted: int = 0
+
+
 @torch.inference_mode()
 def spec_generate(
     target: TargetAdapter,
@@ -254,76 +308,103 @@ def spec_generate(
     sampling: SamplingConfig | None = None,
     stop_token_ids: Sequence[int] = (),
     block_size: int | None = None,
+    tree_budget: int | str = 0,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens (prompt excluded) for one prompt.
 
-    With `drafter=None` or `block_size=1` this is plain decoding of the target.
+    With `drafter=None` or `block_size=1` this is plain decoding of the target. tree_budget > 0
+    verifies a DDTree of that many drafted nodes per round instead of the block's argmax chain
+    (or samples, at T > 0); 0 is linear DFlash.
     """
     sampling = sampling or SamplingConfig()
     block_size = _check_request(target, drafter, prompt_ids, max_new_tokens, block_size)
-    device = target.device
+    budget = parse_tree_budget(tree_budget, field_name="tree_budget")
+    if budget == TREE_BUDGET_AUTO:
+        raise ConfigError(
+            "tree_budget", tree_budget, "is chosen by the serving engine's cost model; the reference loop "
+            "verifies a fixed budget", hint="pass a number of nodes, e.g. 32",
+        )  # fmt: skip
+    assert isinstance(budget, int)
     n = len(prompt_ids)
     max_len = n + max_new_tokens
     stop = {int(t) for t in stop_token_ids}
-    sampler = _Sampler.create(sampling, device)
+    sampler = _Sampler.create(sampling, target.device)
     target.reset()
     draft = None
     if drafter is not None and block_size > 1:
         draft = _Draft.open(drafter, target, max_len=max_len, block_size=block_size)
     layer_ids = list(draft.drafter.config.target_layer_ids) if draft is not None else None
-
     # --- prefill: the prompt through the target gives the first token and the first context
     first, feats, ttft = _prefill(target, prompt_ids, layer_ids, sampler)
-
-    output = [first]
-    rounds: list[int] = []
-    drafted = accepted_total = 0
-    start = n  # position of the current anchor == tokens in the target cache
-    pending = feats  # [n_pending, K * D] features of positions [start - n_pending, start)
-    finish = "stop" if first in stop else "length"
+    loop = _Loop(output=[first], start=n, pending=feats, finish="stop" if first in stop else "length")
     t1 = time.perf_counter()
-    while start + 1 < max_len and finish != "stop":
-        # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
-        size = min(block_size, max_len - start)
-        block = torch.full(
-            (1, size), drafter.mask_token_id if drafter else 0, dtype=torch.long, device=device
+    while loop.start + 1 < max_len and loop.finish != "stop":
+        size = min(block_size, max_len - loop.start)
+        _round(loop, target, draft, sampler, size=size, max_len=max_len, stop=stop, layer_ids=layer_ids,
+               budget=budget)  # fmt: skip
+    _sync(target.device)
+    decode = time.perf_counter() - t1
+    assert sum(loop.rounds) == len(loop.output) - 1
+    return GenerationResult(
+        output_ids=loop.output,
+        acceptance_lengths=loop.rounds,
+        ttft_s=ttft,
+        decode_s=decode,
+        finish_reason=loop.finish,
+        num_draft_tokens=loop.drafted,
+        num_accepted_draft_tokens=loop.accepted,
+        block_size=block_size,
+    )
+
+
+def _round(
+    loop: _Loop, target: TargetAdapter, draft: _Draft | None, sampler: _Sampler, *, size: int, max_len: int,
+    stop: set[int], layer_ids: list[int] | None, budget: int = 0,
+) -> None:  # fmt: skip
+    """One round of `size` block slots: draft, verify, accept, commit (a DDTree of `budget` nodes
+    instead of the block's chain when budget > 0)."""
+    start = loop.start
+    # --- draft: the anchor (last output token) and size - 1 mask slots the drafter fills
+    mask = draft.drafter.mask_token_id if draft is not None else 0
+    block = torch.full((1, size), mask, dtype=torch.long, device=sampler.device)
+    block[0, 0] = loop.output[-1]
+    path = None
+    if size > 1 and budget:
+        assert draft is not None and loop.pending is not None and layer_ids is not None
+        new_tokens, path, feats, nodes = _tree_round(
+            target, draft, block, loop.pending, start, sampler, budget=budget, layer_ids=layer_ids
         )
-        block[0, 0] = output[-1]
+        a = len(new_tokens) - 1
+        loop.drafted += nodes
+    else:
         draft_probs = None
         if size > 1:
-            assert draft is not None and pending is not None
-            draft_probs = draft.propose(block, pending, start, sampler)
-            drafted += size - 1
+            assert draft is not None and loop.pending is not None
+            draft_probs = draft.propose(block, loop.pending, start, sampler)
+            loop.drafted += size - 1
         # --- verify: one target forward over the whole block
         logits, feats = target.extend(block, start, layer_ids=layer_ids)  # [size, V], [size, K*D]
         # --- accept: a matching drafts, then the target's own token after them (a + 1 tokens)
         a, token = _accept(block, logits, draft_probs, start, sampler)
-        accepted_total += a
         new_tokens = [*block[0, 1 : a + 1].tolist(), token]
-        # never past max_new_tokens; a stop token ends the round and the request
-        new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
-        if stopped:
-            finish = "stop"
-        produced = len(new_tokens)
-        output.extend(new_tokens)
-        # --- commit: the target cache keeps [0, start); the features of the produced positions
-        # (anchor first) go into the draft cache at the next round's injection
-        start += produced
-        target.crop(start)
-        if layer_ids is not None:
-            pending = feats[:produced] if feats is not None else None
-        rounds.append(produced)
-        assert 1 <= produced <= size and target.cache_length == start
-    _sync(device)
-    decode = time.perf_counter() - t1
-    assert sum(rounds) == len(output) - 1
-    return GenerationResult(
-        output_ids=output,
-        acceptance_lengths=rounds,
-        ttft_s=ttft,
-        decode_s=decode,
-        finish_reason=finish,
-        num_draft_tokens=drafted,
-        num_accepted_draft_tokens=accepted_total,
-        block_size=block_size,
-    )
+    loop.accepted += a
+    # never past max_new_tokens; a stop token ends the round and the request
+    new_tokens, stopped = _until_stop(new_tokens[: min(a + 1, max_len - start - 1)], stop)
+    if stopped:
+        loop.finish = "stop"
+    produced = len(new_tokens)
+    loop.output.extend(new_tokens)
+    # --- commit: the target cache keeps [0, start) plus the produced positions (a tree moves its
+    # accepted nodes' K/V there); their features (anchor first) go into the draft cache at the
+    # next round's injection
+    loop.start = start + produced
+    if path is None:
+        target.crop(loop.start)
+        committed = feats[:produced] if feats is not None else None
+    else:
+        target.keep_nodes(start, path[:produced])
+        committed = feats[path[:produced]] if feats is not None else None
+    if layer_ids is not None:
+        loop.pending = committed
+    loop.rounds.append(produced)
+    assert 1 <= produced <= size and target.cache_length == loop.start

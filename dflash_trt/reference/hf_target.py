@@ -46,6 +46,26 @@ class TargetAdapter(Protocol):
 
     def crop(self, length: int) -> None: ...
 
+    def extend_tree(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        depths: torch.Tensor,
+        visibility: torch.Tensor,
+        *,
+        layer_ids: Sequence[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DDTree verification: run tree nodes [1, T] at positions start + depths [T] on top of the
+        cache (which must hold exactly `start` tokens), node i seeing every cached token and the
+        nodes j with visibility[i, j] (its ancestors and itself). Returns logits [T, V] and
+        features [T, K * D] (when layer_ids is given). Commit with `keep_nodes`."""
+        ...
+
+    def keep_nodes(self, start: int, nodes: Sequence[int]) -> None:
+        """After `extend_tree`: keep the listed nodes' K/V (in order, root first) at positions
+        start.. and drop the other nodes: the cache then holds start + len(nodes) tokens."""
+        ...
+
     @property
     def cache_length(self) -> int: ...
 
@@ -66,6 +86,7 @@ class HFTarget:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._cache: Any = None
+        self._tree_len = 0  # nodes of the last extend_tree, until keep_nodes commits them
         self.reset()
 
     @classmethod
@@ -123,6 +144,88 @@ class HFTarget:
         if layer_ids is not None:
             feats = extract_context_feature(out.hidden_states, layer_ids)[0]  # [T, K * D]
         return out.logits[0], feats
+
+    @torch.inference_mode()
+    def extend_tree(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        depths: torch.Tensor,
+        visibility: torch.Tensor,
+        *,
+        layer_ids: Sequence[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.cache_length != start:
+            raise RuntimeError(f"target cache holds {self.cache_length} tokens, expected {start}")
+        self._check_tree_layers()
+        positions = (start + depths.to(self.device))[None]  # [1, T]
+        masks = {kind: self._tree_mask(kind, start, positions[0], visibility) for kind in self._layer_kinds()}
+        mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))
+        out = self.model(
+            input_ids=token_ids.to(self.device),
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=self._cache,
+            use_cache=True,
+            output_hidden_states=layer_ids is not None,
+        )
+        self._tree_len = int(token_ids.shape[1])
+        feats = None
+        if layer_ids is not None:
+            feats = extract_context_feature(out.hidden_states, layer_ids)[0]  # [T, K * D]
+        return out.logits[0], feats
+
+    def keep_nodes(self, start: int, nodes: Sequence[int]) -> None:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        t, self._tree_len = self._tree_len, 0
+        if t == 0:
+            raise RuntimeError("keep_nodes() must follow extend_tree()")
+        picked = torch.tensor(list(nodes), dtype=torch.long, device=self.device)
+        for layer in self._cache.layers:
+            # cached entries before the tree (a window's tail for sliding layers), then the kept nodes
+            past = layer.keys.shape[-2] - t
+            index = torch.cat([torch.arange(past, device=self.device), past + picked])
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.cumulative_length = start + len(nodes)
+                layer.crop(0)  # back to the window's last sliding_window - 1 entries
+        if self.cache_length != start + len(nodes):
+            raise RuntimeError(f"target cache holds {self.cache_length} tokens after a tree commit")
+
+    def _layer_kinds(self) -> list[str]:
+        kinds = getattr(self.model.config, "layer_types", None) or ["full_attention"]
+        return list(dict.fromkeys(kinds))
+
+    def _check_tree_layers(self) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        for layer in self._cache.layers:
+            if not isinstance(layer, DynamicLayer):
+                raise RuntimeError(
+                    f"DDTree verification supports full and sliding-window attention caches, "
+                    f"not {type(layer).__name__}"
+                )
+
+    def _tree_mask(
+        self, kind: str, start: int, q_pos: torch.Tensor, visibility: torch.Tensor
+    ) -> torch.Tensor:
+        """Additive float mask [1, 1, T, past + T] for one layer type: cached tokens visible as
+        under causal attention (and its window), tree nodes by `visibility` [T, T]."""
+        kinds = getattr(self.model.config, "layer_types", None) or ["full_attention"]
+        layer = self._cache.layers[kinds.index(kind)]
+        past = layer.keys.shape[-2] if layer.is_initialized else 0
+        window = getattr(self.model.config, "sliding_window", None) if kind == "sliding_attention" else None
+        k_pos = torch.cat([torch.arange(start - past, start, device=self.device), q_pos])  # [past + T]
+        seen = torch.cat(
+            [torch.ones(len(q_pos), past, dtype=torch.bool, device=self.device), visibility.to(self.device)],
+            dim=1,
+        )  # [T, past + T]
+        if window is not None:
+            seen = seen & (q_pos[:, None] - k_pos[None, :] < window)
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill(~seen, torch.finfo(self.dtype).min)[None, None]
 
     def crop(self, length: int) -> None:
         remove = self.cache_length - length

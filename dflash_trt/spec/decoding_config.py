@@ -7,6 +7,9 @@
   the draft length is the value at the first key >= n; above the largest key speculation is
   off (draft length 0). Keys >= 1, values in [0, K], the value at the smallest key == K.
 - `max_concurrency` N is shorthand for {N: K}; it is mutually exclusive with the schedule.
+- `tree_budget` (a dflash-trt extension; TensorRT-LLM has no such field): verify a DDTree of that many
+  drafted nodes per round instead of the argmax chain (spec/tree.py). 0 or absent = linear DFlash;
+  "auto" = a budget the engine picks per step from measured round cost and acceptance.
 """
 
 from __future__ import annotations
@@ -16,8 +19,30 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dflash_trt.errors import ConfigError
+from dflash_trt.models.dflash_config import max_draft_len_for
 
 DECODING_TYPE = "DFlash"
+TREE_BUDGET_AUTO = "auto"
+MAX_TREE_BUDGET = 1024  # nodes per request and round; the verify pass grows with it
+
+
+def parse_tree_budget(value: Any, *, field_name: str = "speculative_config.tree_budget") -> int | str:
+    """0 (linear DFlash), a node budget in [1, MAX_TREE_BUDGET], or "auto"; None reads as 0.
+    Digit strings (CLI flags, environment) are accepted. Raises ConfigError naming `field_name`."""
+    if value is None:
+        return 0
+    if isinstance(value, str) and value.strip().lower() == TREE_BUDGET_AUTO:
+        return TREE_BUDGET_AUTO
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TREE_BUDGET:
+        raise ConfigError(
+            field_name,
+            value,
+            f"must be an integer in [0, {MAX_TREE_BUDGET}] or 'auto'",
+            hint="0 = linear DFlash; 16-64 nodes suit small batches; 'auto' lets the engine choose",
+        )
+    return value
 
 
 @dataclass
@@ -30,6 +55,7 @@ class DFlashDecodingConfig:
     max_concurrency: int | None = None
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
+    tree_budget: int | str | None = None  # dflash-trt extension: DDTree nodes, 0/None = linear, "auto"
     decoding_type: str = field(default=DECODING_TYPE)
 
     @classmethod
@@ -69,12 +95,13 @@ class DFlashDecodingConfig:
                 "must be an integer > 0",
                 hint="set it to block_size - 1",
             )
-        if block_size is not None and k > block_size - 1:
+        if block_size is not None and k > max_draft_len_for(block_size):
+            most = max_draft_len_for(block_size)
             raise ConfigError(
                 "speculative_config.max_draft_len",
                 k,
-                f"exceeds the drafter's block_size - 1 = {block_size - 1}",
-                hint=f"lower max_draft_len to at most {block_size - 1}",
+                f"exceeds the drafter's block_size - 1 = {most}",
+                hint=f"lower max_draft_len to at most {most}",
             )
         if self.max_concurrency is not None and self.draft_len_schedule is not None:
             raise ConfigError(
@@ -110,6 +137,13 @@ class DFlashDecodingConfig:
                     f"the value at the smallest batch size must equal max_draft_len={k}",
                 )
             self.draft_len_schedule = dict(sorted(sched.items()))
+        if self.tree_budget is not None:
+            self.tree_budget = parse_tree_budget(self.tree_budget)
+
+    @property
+    def uses_tree(self) -> bool:
+        """True when rounds verify a DDTree (a fixed budget or "auto") rather than the argmax chain."""
+        return self.tree_budget not in (None, 0)
 
     def schedule(self) -> dict[int, int] | None:
         assert self.max_draft_len is not None
@@ -138,6 +172,7 @@ class DFlashDecodingConfig:
             "max_concurrency",
             "mask_token_id",
             "target_layer_ids",
+            "tree_budget",
         ):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)

@@ -46,11 +46,13 @@ class SamplingConfig:
 
 def validate_sampling(*, temperature: float, top_p: float, top_k: int) -> None:
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError("temperature", temperature, "must be a finite number >= 0 (0 = greedy)")
+        raise ConfigError(
+            "temperature", temperature, "must be a finite number >= 0", hint="send 0 (greedy) or more"
+        )
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ConfigError("top_p", top_p, "must be in (0, 1]")
+        raise ConfigError("top_p", top_p, "must be in (0, 1]", hint="send a value in (0, 1]; 1 = off")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ConfigError("top_k", top_k, "must be an integer >= 0 (0 = off)")
+        raise ConfigError("top_k", top_k, "must be an integer >= 0", hint="send 0 (off) or more")
 
 
 def logits_to_probs(

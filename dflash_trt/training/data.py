@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import UsageError
+from dflash_trt.models.sources import chat_prompt_ids
 from dflash_trt.utils.jsonl import iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,6 @@ class Sample:
 
     def to_json(self) -> dict[str, Any]:
         return {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "source": self.source}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Sample:
-        return cls(input_ids=list(d["input_ids"]), loss_mask=list(d["loss_mask"]), source=d.get("source", ""))
 
 
 def _iter_files(root: Path) -> Iterator[Path]:
@@ -121,31 +118,6 @@ def load_records(data: str | Path) -> list[Record]:
     return records
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """The tokenised chat template of `messages` plus the generation prompt (thinking off)."""
-    return list(
-        tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=True,
-            tokenize=True,
-            enable_thinking=False,
-            return_dict=False,
-        )
-    )
-
-
-def _chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=False,
-            tokenize=True,
-            enable_thinking=False,
-            return_dict=False,
-        )
-    )
-
-
 def require_chat_template(tokenizer: Any, source: str) -> None:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UsageError(
@@ -166,7 +138,7 @@ def tokenize_chat(tokenizer: Any, record: Record, *, seq_len: int) -> Sample | N
         if m["role"] != "assistant":
             continue
         prefix = chat_prompt_ids(tokenizer, msgs[:i])
-        full = _chat_ids(tokenizer, msgs[: i + 1])
+        full = chat_prompt_ids(tokenizer, msgs[: i + 1], generation_prompt=False)
         if full[: len(prefix)] != prefix or full[: len(ids)] != ids or len(prefix) < len(ids):
             raise UsageError(
                 f"{record.source}: the chat template does not render turn {i} as a continuation of the "

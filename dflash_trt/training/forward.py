@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from dflash_trt.layers.masks import apply_visibility
 from dflash_trt.layers.rope import apply_rope
+from dflash_trt.models.dflash_config import max_draft_len_for
 from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 LOGIT_CHUNK_ROWS = 8192  # rows of LM-head logits materialised at once in the loss
@@ -223,7 +224,7 @@ def dflash_loss(
     total_w = w.sum()
     if h.shape[0] == 0:
         zero = hidden.sum() * 0.0
-        return zero, LossStats(0.0, 0.0, [0.0] * (batch.block_size - 1), 1.0)
+        return zero, LossStats(0.0, 0.0, [0.0] * max_draft_len_for(batch.block_size), 1.0)
     losses = []
     correct = []
     for start in range(0, h.shape[0], LOGIT_CHUNK_ROWS):

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.training.data import Record, Sample, chat_prompt_ids
+from dflash_trt.models.sources import chat_prompt_ids
+from dflash_trt.training.data import Record, Sample
 
 log = logging.getLogger(__name__)
 

@@ -308,24 +308,8 @@ def _prepare_data(
         rng.shuffle(text_samples)
         heldout_samples, text_samples = text_samples[:need_eval], text_samples[need_eval:]
     if cfg.regenerate:
-        from dflash_trt.training import regenerate as rg
-
-        jobs = rg.chat_jobs(chat, tokenizer, seq_len=cfg.seq_len, min_new_tokens=min_len)
-        jobs += rg.text_jobs(
-            text_samples, prompt_len=cfg.regen_prompt_len, seq_len=cfg.seq_len, min_new_tokens=min_len,
-            seed=cfg.seed, eos_id=eos_id,
-        )  # fmt: skip
-        jobs = _cap(jobs, cfg.max_samples, cfg.seed)
-        bar = _bar(len(jobs), "regenerate", progress) or _ReportProgress("regenerate", len(jobs), report)
-        cache_dir = Path(cfg.regen_cache).expanduser() if cfg.regen_cache else out / "regenerated"
-        try:
-            samples = rg.regenerate(
-                jobs, target_dir=target_dir, cache_dir=cache_dir, temperature=cfg.regen_temperature,
-                top_p=cfg.regen_top_p, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
-                batch_size=cfg.regen_batch_size, progress=bar,
-            )  # fmt: skip
-        finally:
-            bar.close()
+        samples = _regenerated(cfg, chat, text_samples, tokenizer, target_dir=target_dir, out=out,
+                               min_len=min_len, eos_id=eos_id, progress=progress, report=report)  # fmt: skip
     else:
         chat_samples = d.build_samples(chat, tokenizer, seq_len=cfg.seq_len, eos_id=eos_id, min_len=min_len)
         samples = _cap(chat_samples + text_samples, cfg.max_samples, cfg.seed)
@@ -335,10 +319,42 @@ def _prepare_data(
             f"--data={cfg.data!r} gives no training sequence of at least {min_len} tokens with a loss",
             hint="add data, or lower --block-size",
         )
-    # held-out prompts
+    return samples, _heldout_prompts(cfg, tokenizer, heldout, heldout_samples)
+
+
+def _regenerated(
+    cfg: TrainConfig, chat: list[Record], text_samples: list[Sample], tokenizer: Any, *, target_dir: Path,
+    out: Path, min_len: int, eos_id: int | None, progress: bool, report: Callable[[dict[str, Any]], None] | None,
+) -> list[Sample]:  # fmt: skip
+    """Samples whose responses the target writes itself (cached under --regen-cache or OUT/regenerated)."""
+    from dflash_trt.training import regenerate as rg
+
+    jobs = rg.chat_jobs(chat, tokenizer, seq_len=cfg.seq_len, min_new_tokens=min_len)
+    jobs += rg.text_jobs(
+        text_samples, prompt_len=cfg.regen_prompt_len, seq_len=cfg.seq_len, min_new_tokens=min_len,
+        seed=cfg.seed, eos_id=eos_id,
+    )  # fmt: skip
+    jobs = _cap(jobs, cfg.max_samples, cfg.seed)
+    bar = _bar(len(jobs), "regenerate", progress) or _ReportProgress("regenerate", len(jobs), report)
+    cache_dir = Path(cfg.regen_cache).expanduser() if cfg.regen_cache else out / "regenerated"
+    try:
+        return rg.regenerate(
+            jobs, target_dir=target_dir, cache_dir=cache_dir, temperature=cfg.regen_temperature,
+            top_p=cfg.regen_top_p, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
+            batch_size=cfg.regen_batch_size, progress=bar,
+        )  # fmt: skip
+    finally:
+        bar.close()
+
+
+def _heldout_prompts(
+    cfg: TrainConfig, tokenizer: Any, heldout: list[Record], heldout_samples: list[Sample]
+) -> list[list[int]]:
+    """Prompts for the final tau: from --eval-data, else the held-out records (or samples)."""
+    from dflash_trt.training import data as d
+
     prompt_cap = max(1, cfg.seq_len // 2)
     text_prefix = sum(cfg.regen_prompt_len) // 2
-    prompts: list[list[int]] = []
     if cfg.eval_data is not None:
         recs: list[Record] = d.load_records(cfg.eval_data)[: cfg.eval_prompts]
         prompts = [
@@ -351,7 +367,7 @@ def _prepare_data(
             if (p := d.eval_prompt_ids(tokenizer, r, max_len=prompt_cap, text_prefix=text_prefix))
         ]
         prompts += [s.input_ids[:text_prefix] for s in heldout_samples]
-    return samples, prompts[: cfg.eval_prompts]
+    return prompts[: cfg.eval_prompts]
 
 
 class _ReportProgress:
@@ -571,8 +587,31 @@ def _saved_state(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
         )
     if not cfg.resume:
         return None
-    saved: dict[str, Any] = torch.load(state_path, map_location="cpu", weights_only=False)
+    saved = _load_state(state_path)
     _check_resume(saved["config"], cfg.to_json())
+    return saved
+
+
+STATE_KEYS = frozenset({"step", "drafter", "optimizer", "config", "samples_digest"})
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    """The resume state, read with torch's weights-only unpickler: tensors, numbers, strings and
+    containers only, so a planted state file cannot run code (what _save_state writes is all such)."""
+    import pickle
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"--resume: {path} is not a training state that loads without running code ({first[:200]})",
+            hint="resume only runs this tool wrote; start a fresh run with another --out",
+        ) from None
+    if not isinstance(saved, dict) or not saved.keys() >= STATE_KEYS:
+        have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise UsageError(f"--resume: {path} is not a train-drafter state (it holds {have})",
+                         hint="resume only runs this tool wrote; start a fresh run with another --out")  # fmt: skip
     return saved
 
 

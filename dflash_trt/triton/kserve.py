@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""KServe v2 gRPC tensor contents: the one codec for our clients and test servers.
+"""KServe v2 gRPC tensor contents, and the Triton model's error messages: the one codec for our
+clients and test servers.
 
 Raw contents are little-endian; a BYTES element is a 4-byte length followed by the bytes. Typed
 contents live in the `*_contents` field named by the datatype. Only the first element of a
@@ -8,7 +9,9 @@ tensor is read: every llmapi input and output is a [1] tensor.
 
 from __future__ import annotations
 
+import re
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 RAW_FORMATS = {
@@ -61,3 +64,27 @@ def decode_first_typed(datatype: str, contents: Any) -> Any:
     field_name = CONTENT_FIELDS.get(datatype)
     values = getattr(contents, field_name) if field_name else []
     return values[0] if values else None
+
+
+# The trailer our Triton model ends every error message with (templates/model.py, ERROR_TRAILER):
+# "... (error: INVALID_ARG, field: max_tokens)". The kind is the TritonError code the model sent;
+# gRPC stream errors carry no code, and Triton's HTTP front answers every model error with 400.
+_ERROR_TRAILER = re.compile(r" \(error: ([A-Z_]+)(?:, field: ([^()]+))?\)$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelError:
+    """An error response of the Triton model: its message, its kind and the request field at fault."""
+
+    message: str  # without the trailer
+    kind: str | None  # INVALID_ARG | UNAVAILABLE | CANCELLED | INTERNAL; None: not from our model
+    field: str | None  # the request field at fault (an input name or the engine's field), when known
+
+
+def parse_model_error(text: str) -> ModelError:
+    """Split an error message into what the model said and its trailer (absent from Triton's own
+    errors and from other models': kind and field None)."""
+    m = _ERROR_TRAILER.search(text)
+    if m is None:
+        return ModelError(message=text, kind=None, field=None)
+    return ModelError(message=text[: m.start()], kind=m.group(1), field=m.group(2))

@@ -27,6 +27,15 @@ Supervision (what `dflash-trt serve` builds on):
   tritonserver from exiting: by then every request has ended explicitly). Unloading needs
   explicit model control, so a server with `control_dir` set runs with `--model-control-mode=explicit`
   and a model-repository API restricted by a random key only this object knows.
+
+API key (`api_key`): every endpoint group but health (and model-repository, which the admin key
+guards when `control_dir` is set) is restricted to `Authorization: Bearer <key>` on HTTP and to
+`triton-grpc-protocol-authorization: Bearer <key>` on gRPC (PROTECTED_APIS; Triton answers 403 /
+UNAVAILABLE without it). Health and readiness (`/v2/health/*`, `/v2/models/<m>/ready`, gRPC
+ServerLive/ServerReady/ModelReady) and the metrics port stay open for probes and Prometheus.
+tritonserver 2.51 takes such keys only as command-line flags, so the key is in tritonserver's
+/proc/<pid>/cmdline (a container keeps it from other users; docs/serving.md); the key is never
+written to the log, and the environment variable that may carry it is not passed on.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError, EnvironmentMissing
+from dflash_trt.utils.api_key import ENV_VAR as API_KEY_ENV
+from dflash_trt.utils.api_key import HTTP_HEADER, ApiKey
 
 
 @dataclass
@@ -98,6 +109,9 @@ def locate_tritonserver() -> TritonInstall:
 
 
 ADMIN_HEADER = "dflash-trt-admin"
+# Triton's endpoint groups that the API key guards: all but `health` (probes) and
+# `model-repository` (the admin key's, or the API key's when there is no admin key).
+PROTECTED_APIS = ("inference", "metadata", "model-config", "statistics", "shared-memory", "trace", "logging")
 
 
 @dataclass
@@ -119,7 +133,8 @@ class TritonServer:
     install: TritonInstall | None = None
     logs: deque = field(default_factory=lambda: deque(maxlen=200))
     stub_pids: dict[int, str] = field(default_factory=dict)  # pid -> model.py path, taken by watch_stubs()
-    admin_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    api_key: ApiKey | None = None  # clients must send it to every endpoint group but health
 
     @property
     def http_url(self) -> str:
@@ -156,6 +171,12 @@ class TritonServer:
                 f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self.admin_key}",
                 f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self.admin_key}",
             ]
+        if self.api_key is not None:
+            groups = ",".join(
+                PROTECTED_APIS if self.control_dir is not None else (*PROTECTED_APIS, "model-repository")
+            )
+            rule = f"{groups}:{HTTP_HEADER.lower()}={self.api_key.bearer}"
+            cmd += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
         if self.install.backend_dir is not None:
             cmd.append(f"--backend-directory={self.install.backend_dir}")
         return cmd
@@ -166,6 +187,7 @@ class TritonServer:
         tritonserver or Python stub behind."""
         self.install = locate_tritonserver()
         env = {**os.environ, **self.install.env, **self.extra_env}
+        env.pop(API_KEY_ENV, None)  # tritonserver and the model have no use for it
         if self.control_dir is not None:
             Path(self.control_dir).mkdir(parents=True, exist_ok=True)
             for name in ("drain", "drained", "finalized", "heartbeat", "engine-dead"):

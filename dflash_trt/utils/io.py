@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,19 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json_object(path: Path, fail: Callable[[str], Exception]) -> dict[str, Any]:
+    """The JSON object stored in `path`. When the file is unreadable, not JSON or not an object,
+    raises `fail(problem)`, where problem reads "is not valid JSON (...)" or "does not hold a JSON
+    object": the caller's error names the file's role and the fix."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise fail(f"is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise fail("does not hold a JSON object")
+    return data
 
 
 def dump_json(data: Any) -> str:

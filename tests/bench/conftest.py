@@ -48,7 +48,7 @@ def byte_tokenizer(byte_tokenizer_dir: Path) -> Any:
 @pytest.fixture
 def scripted() -> Callable[..., Any]:
     """`with scripted(Script(...)) as server:` runs a scripted server on 127.0.0.1 (free ports)."""
-    from dflash_trt.testing.scripted_server import ScriptedServerThread
+    from tests.bench.scripted_server import ScriptedServerThread
 
     @contextmanager
     def run(script: Any = None, **kwargs: Any) -> Iterator[Any]:

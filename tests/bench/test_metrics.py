@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -11,14 +12,35 @@ import pytest
 from dflash_trt.bench.metrics import (
     DEFINITIONS,
     RawResult,
+    RequestRecord,
     Retokenizer,
     Slo,
     build_record,
-    definition_for,
     percentile,
     summarize_point,
     weighted_percentile,
 )
+
+_STAT = re.compile(r"_(mean|p\d+(?:_\d+)?)(?=(_s)?$)")
+
+
+def definition_for(key: str) -> str | None:
+    """The definition of a point key: exact, or of its family (ttft_p90_s -> ttft_s, ..._p50 -> ..._pX)."""
+    if key in DEFINITIONS:
+        return DEFINITIONS[key]
+    for candidate in (_STAT.sub("", key), _STAT.sub("_pX", key), _STAT.sub("", key) + "_s"):
+        if candidate in DEFINITIONS:
+            return DEFINITIONS[candidate]
+    return None
+
+
+def itls_of(r: RequestRecord) -> list[float]:
+    """DEFINITIONS['itl_s'] for one request, written out token by token."""
+    ct, co = r.chunk_tokens or [], r.chunk_offsets_s
+    out = [0.0] * (ct[0] - 1) if ct else []
+    for j in range(1, len(co)):
+        out += [(co[j] - co[j - 1]) / ct[j]] * ct[j]
+    return out
 
 
 def _raw(
@@ -59,11 +81,15 @@ def test_multi_token_chunks_ttft_tpot_itl_exact() -> None:
     assert r.tpot_s == pytest.approx(0.09 / 12)  # (E2EL - TTFT) / (OSL - 1)
     assert r.chunk_tokens == [2, 4, 4, 3]
     assert r.icls == pytest.approx([0.03, 0.03, 0.03])
-    itl = r.itls
+    itl = itls_of(r)
     assert len(itl) == 12  # OSL - 1 intervals
     assert itl[0] == 0.0  # the second token of the first chunk arrived with the first
     assert itl[1:5] == pytest.approx([0.0075] * 4) and itl[-3:] == pytest.approx([0.01] * 3)
     assert sum(itl) / len(itl) == pytest.approx(r.tpot_s)  # mean ITL == TPOT by construction
+    p = summarize_point([r], num_gpus=1, concurrency=1, slo=Slo())
+    assert p["itl_mean_s"] == pytest.approx(sum(itl) / len(itl))
+    for q in ("p50", "p90", "p99"):  # the pooled, token-weighted percentiles of the same intervals
+        assert p[f"itl_{q}_s"] == pytest.approx(float(np.percentile(itl, float(q[1:]))))
 
 
 def test_tokens_are_never_counted_per_chunk() -> None:

@@ -31,7 +31,7 @@ def test_readme_keeps_its_first_lines_and_names_the_commands() -> None:
         "bench sweep",
         "bench plot",
         "bench compare",
-        "bench scripted-server",
+        "python -m tests.bench.scripted_server",
         "bench/client_overhead.py",
     ):
         assert cmd in text, cmd

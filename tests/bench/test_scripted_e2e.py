@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Sweeps against the scripted server over every protocol: each metric equals its known schedule.
+"""Sweeps against the scripted server over every protocol: counts equal the schedule, latencies are
+never earlier than it, and every metric equals its definition applied to the recorded requests.
 
 Schedule used throughout: first chunk of 2 tokens at TTFT = 60 ms, then chunks of 3, 6, 3, 3
-tokens every 25 ms (OSL 17). So E2EL = 160 ms, TPOT = 100 ms / 16 = 6.25 ms, the inter-chunk
-gap is 25 ms, 4 rounds accept 2 + 5 + 2 + 2 = 11 drafts (tau = 3.75) out of 4 x 7 drafted.
+tokens every 25 ms (OSL 17). So E2EL >= 160 ms, 4 rounds accept 2 + 5 + 2 + 2 = 11 drafts
+(tau = 3.75) out of 4 x 7 drafted. No assertion bounds a latency from above: the tests pass on a
+loaded machine (tests/bench/schedule.py), and `make test-under-load` runs them beside busy processes.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 from typing import Any
@@ -15,12 +18,12 @@ from typing import Any
 import pytest
 
 from dflash_trt.bench.sweep import SweepConfig, run_sweep
-from dflash_trt.testing.scripted_server import Script, plan_request
+from tests.bench.schedule import assert_never_early, assert_point_is_its_records, records
+from tests.bench.scripted_server import Script, plan_request
 
 TTFT, GAP, OSL = 0.06, 0.025, 17
 SCRIPT = Script(ttft_s=TTFT, chunk_gap_s=GAP, first_chunk_tokens=2, tokens_per_chunk=(3, 6), draft_len=7)
-TPOT = 4 * GAP / (OSL - 1)
-OVERHEAD = 0.02  # loopback + parsing + scheduler wake-up, generously (2-core CI)
+PLAN = plan_request(SCRIPT, max_tokens=OSL, ignore_eos=True)
 PROTOCOLS = ("triton-http", "triton-grpc", "openai-completions", "openai-chat")
 
 
@@ -46,11 +49,13 @@ def _sweep(
     return run_sweep(SweepConfig(**args))
 
 
+pytestmark = pytest.mark.timing
+
+
 def test_schedule_is_what_the_docstring_says() -> None:
-    plan = plan_request(SCRIPT, max_tokens=OSL, ignore_eos=True)
-    assert plan.chunks == (2, 3, 6, 3, 3)
-    assert plan.offsets_s == pytest.approx((0.06, 0.085, 0.11, 0.135, 0.16))
-    assert plan.stats_after(4)["mean_acceptance_length"] == pytest.approx(3.75)
+    assert PLAN.chunks == (2, 3, 6, 3, 3)
+    assert PLAN.offsets_s == pytest.approx((0.06, 0.085, 0.11, 0.135, 0.16))
+    assert PLAN.stats_after(4)["mean_acceptance_length"] == pytest.approx(3.75)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -59,32 +64,25 @@ def test_every_metric_matches_the_schedule(
 ) -> None:
     tok = chat_tokenizer_dir if protocol == "openai-chat" else byte_tokenizer_dir
     with scripted(SCRIPT) as server:
-        summary = _sweep(server, tmp_path, tok, protocol, slo_ttft_s=TTFT + 0.05, slo_tpot_s=TPOT * 1.5)
+        summary = _sweep(server, tmp_path, tok, protocol, slo_ttft_s=TTFT + 0.05, slo_tpot_s=GAP)
         seen = list(server.log.requests)
     (p,) = summary["points"]
-    assert p["num_errors"] == 0 and p["num_completed"] == 6
+    recs = records(tmp_path / f"run-{protocol}")
+    assert p["num_errors"] == 0 and p["num_completed"] == 6 == len(recs)
     # counts: from the server, exact
     assert p["output_tokens_total"] == 6 * OSL
     assert p["output_tokens_source"] == ("usage" if protocol.startswith("openai") else "num_output_tokens")
     assert p["tokens_per_chunk_hist"] == {"2": 6, "3": 18, "6": 6}
     assert p["mean_tokens_per_chunk_after_first"] == pytest.approx(15 / 4)
-    # latencies: the schedule, within timer tolerance
-    for stat in ("p50", "p90", "p99"):
-        assert TTFT <= p[f"ttft_{stat}_s"] < TTFT + OVERHEAD
-        assert TTFT + 4 * GAP <= p[f"e2el_{stat}_s"] < TTFT + 4 * GAP + OVERHEAD
-        assert p[f"tpot_{stat}_s"] == pytest.approx(TPOT, rel=0.08)
-    assert p["icl_p50_s"] == pytest.approx(GAP, abs=0.004)
-    # per-token ITL: 1 zero, then the gap spread over 3 or 6 tokens; the mean equals TPOT
-    assert p["itl_mean_s"] == pytest.approx(TPOT, rel=0.08)
-    assert p["itl_p50_s"] == pytest.approx(GAP / 3, rel=0.15)
-    assert p["tokens_per_s_per_user_p50"] == pytest.approx(1 / TPOT, rel=0.08)
-    assert p["interactivity_inferencex_p50"] == pytest.approx(1 / p["tpot_p50_s"])
-    # throughput: the definitions, and three waves of two requests
-    assert p["output_tokens_per_s"] == pytest.approx(6 * OSL / p["duration_s"])
+    # latencies: never earlier than the schedule, and every statistic is its definition of the records
+    assert_never_early(recs, PLAN.chunks, PLAN.offsets_s)
+    assert_point_is_its_records(p, recs)
+    assert p["ttft_p50_s"] >= TTFT and p["e2el_p50_s"] >= TTFT + 4 * GAP
     assert p["total_tokens_per_s_per_gpu"] == pytest.approx(p["total_tokens_per_s"])
-    assert 3 * (TTFT + 4 * GAP) <= p["duration_s"] < 3 * (TTFT + 4 * GAP + 2 * OVERHEAD)
-    assert p["achieved_concurrency"] == pytest.approx(2.0, rel=0.1)
-    assert p["good_fraction"] == 1.0
+    # three waves of two: each slot sends 3 requests one after the other, each at least E2EL long
+    assert p["duration_s"] >= 3 * (TTFT + 4 * GAP) and 0 < p["achieved_concurrency"] <= 2.0 + 1e-9
+    slo_met = [r["ttft_s"] <= TTFT + 0.05 and r["tpot_s"] <= GAP for r in recs]
+    assert p["good_fraction"] == pytest.approx(sum(slo_met) / len(recs))
     # speculative statistics: reported by the Triton model, absent from OpenAI
     if protocol.startswith("triton"):
         assert p["mean_acceptance_length"] == pytest.approx(3.75)
@@ -92,7 +90,7 @@ def test_every_metric_matches_the_schedule(
         assert p["mean_acceptance_length_request_mean"] == pytest.approx(3.75)
         assert p["acceptance_rate_pooled"] == pytest.approx(11 / 28)
         assert p["isl_discrepancy_pct"] == 0.0
-        assert TTFT <= p["server_ttft_p50_s"] < TTFT + OVERHEAD
+        assert p["server_ttft_p50_s"] >= TTFT  # the server's own clock: never early either
     else:
         assert p["mean_acceptance_length"] is None
     # what the server was sent: fixed length, perf metrics, delta streaming where declared
@@ -135,7 +133,9 @@ def test_nvidia_model_without_our_additions(protocol, scripted, tmp_path, byte_t
     assert p["mean_acceptance_length"] is None  # accepted/drafted known, rounds unknown: not guessed
     assert p["acceptance_rate_pooled"] == pytest.approx((2 + 5) / 14)
     assert p["input_tokens_source"] == "client tokenizer"
-    assert p["tpot_p50_s"] == pytest.approx(2 * GAP / 10, rel=0.08)
+    recs = records(tmp_path / f"run-{protocol}")
+    assert_never_early(recs, (2, 3, 6), PLAN.offsets_s[:3])
+    assert_point_is_its_records(p, recs)
 
 
 def test_output_length_control(scripted, tmp_path, byte_tokenizer_dir) -> None:
@@ -193,7 +193,10 @@ def test_protocol_variants(protocol, script, scripted, tmp_path, byte_tokenizer_
     assert p["tokens_per_chunk_hist"] == {"1": 6, "4": 24}
     expected_source = "retokenized" if not script.openai_usage else "num_output_tokens"
     assert p["output_tokens_source"] == expected_source
-    assert p["tpot_p50_s"] == pytest.approx(4 * 0.01 / 16, rel=0.1)
+    recs = records(tmp_path / f"run-{protocol}")
+    plan = plan_request(script, max_tokens=OSL, ignore_eos=True)
+    assert_never_early(recs, plan.chunks, plan.offsets_s)
+    assert_point_is_its_records(p, recs)
     if protocol.startswith("triton"):
         assert p["mean_acceptance_length"] == pytest.approx(4.0) and p[
             "acceptance_rate_pooled"
@@ -253,10 +256,13 @@ def test_request_rate_mode_poisson_arrivals(scripted, tmp_path, byte_tokenizer_d
         )
     (p,) = summary["points"]
     assert p["mode"] == "request_rate" and p["request_rate"] == rate and p["num_errors"] == 0
-    # the same seeded gamma(1) draws the sweep made: sends are spaced by draws 2..n
+    # the same seeded gamma(1) draws the sweep made: request i is sent no sooner than the sum of
+    # draws 1..i after the phase starts (late arrivals are sent at once, never early)
     rng = random.Random(f"dflash-trt-bench-arrivals:0:request_rate={rate:g}")
-    draws = [rng.gammavariate(1.0, 1.0 / rate) for _ in range(n)]
-    assert p["achieved_request_rate"] == pytest.approx((n - 1) / sum(draws[1:]), rel=0.1)
+    due = list(itertools.accumulate(rng.gammavariate(1.0, 1.0 / rate) for _ in range(n)))
+    starts = sorted(r["start_s"] for r in records(tmp_path / "run-triton-http"))
+    assert len(starts) == n and all(got >= want for got, want in zip(starts, due)), (starts, due)
+    assert p["achieved_request_rate"] == pytest.approx((n - 1) / (starts[-1] - starts[0]))
     assert p["interactivity_vllm_aggregate"] is None  # no concurrency to divide by
 
 
@@ -284,5 +290,7 @@ def test_max_concurrency_gate_and_duration_mode(scripted, tmp_path, byte_tokeniz
         )
     assert gated["points"][0]["num_completed"] == 8
     p = timed["points"][0]
-    # each request takes 40 ms: two slots for 0.4 s start ~20 requests, none after the deadline
-    assert 12 <= p["num_requests"] <= 24 and p["num_errors"] == 0
+    # each request takes at least 40 ms, and a slot starts one only before the 0.4 s deadline: two
+    # slots start at most 2 x 10 requests (and at least the first of each)
+    assert 2 <= p["num_requests"] == len(records(tmp_path / "d" / "run-triton-http")) <= 20
+    assert p["num_errors"] == 0

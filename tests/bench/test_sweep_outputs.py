@@ -17,7 +17,7 @@ import pytest
 
 from dflash_trt.bench.sweep import SweepConfig, run_sweep
 from dflash_trt.errors import UsageError
-from dflash_trt.testing.scripted_server import Script
+from tests.bench.scripted_server import Script
 
 FAST = Script(ttft_s=0.01, chunk_gap_s=0.005, tokens_per_chunk=(4,))
 REQUIRED_POINT_KEYS = (
@@ -128,10 +128,13 @@ def test_orphan_request_lines_are_dropped_on_resume(scripted, tmp_path, byte_tok
     assert sum(r["point"] == "concurrency=2" for r in reqs) == 5 and all("ok" in r for r in reqs)
 
 
+@pytest.mark.timing
 def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byte_tokenizer_dir) -> None:
     out = tmp_path / "run"
-    slow = Script(ttft_s=0.01, chunk_gap_s=0.05, tokens_per_chunk=(1,))  # 9 tokens: ~0.4 s per request
-    with scripted(slow) as server:
+    # point 1 is requests 1-3; the server holds request 4 on (point 2) until released, so the
+    # interrupt lands inside point 2 however slow the machine is
+    held = Script(ttft_s=0.01, chunk_gap_s=0.01, tokens_per_chunk=(1,), hold_from=4)
+    with scripted(held) as server:
         cmd = [
             sys.executable, "-m", "dflash_trt", "bench", "sweep",
             "--url", server.http_url, "--protocol", "triton-http", "--concurrency", "1,2,3",
@@ -140,13 +143,11 @@ def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byt
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # a bound on a hang, not a timing
         summary_path = out / "summary.json"
-        while time.monotonic() < deadline and proc.poll() is None:
-            if summary_path.is_file() and json.loads(summary_path.read_text()).get("points"):
-                break
+        while server.log.count < 4 and proc.poll() is None:  # until point 2's first request is held
+            assert time.monotonic() < deadline, "the sweep never reached its second point"
             time.sleep(0.05)
-        time.sleep(0.15)  # inside the second point
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 130, stderr
@@ -156,6 +157,7 @@ def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byt
         assert {r["point"] for r in _lines(out / "requests.jsonl")} == {"concurrency=1"}
 
         before = server.log.count
+        server.release_held()
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
         assert server.log.count - before == 6  # concurrency 2 and 3, three requests each

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.builder.llm_api import validate_against_field_list, validate_llm_api
-from dflash_trt.cli import main
 from dflash_trt.errors import ConfigError
 
 HERE = Path(__file__).parent
@@ -33,16 +32,6 @@ def _fixture_configs(monkeypatch):
     monkeypatch.setenv("DFLASH_TRT_CONFIG_DIR", str(FIXTURES))
 
 
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def stable(plan: dict) -> dict:
     """The plan without provenance: package versions and which copy of the configs was read (the
     same plan comes from the shipped copies, the Hub or $DFLASH_TRT_CONFIG_DIR: test_offline.py)."""
@@ -53,8 +42,8 @@ def stable(plan: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_golden_plans(name, capsys, update_goldens):
-    code, out, err = run(["build", *PLANS[name], "--dry-run", "--json"], capsys)
+def test_golden_plans(name, cli, update_goldens):
+    code, out, err = cli(["build", *PLANS[name], "--dry-run", "--json"])
     assert code == 0, err
     raw = json.loads(out)
     for role in ("target", "drafter"):
@@ -75,9 +64,9 @@ def test_golden_plans(name, capsys, update_goldens):
     assert plan["validation"]["llm_api"]["commit"] == "0004396720054fd8e205cbf616f21f0b57c6b412"
 
 
-def test_gpt_oss_120b_profiles(capsys):
-    b200 = json.loads(run(["build", *PLANS["gpt-oss-120b-b200-tp8"], "--dry-run", "--json"], capsys)[1])
-    h200 = json.loads(run(["build", *PLANS["gpt-oss-120b-h200-tp8"], "--dry-run", "--json"], capsys)[1])
+def test_gpt_oss_120b_profiles(cli):
+    b200 = json.loads(cli(["build", *PLANS["gpt-oss-120b-b200-tp8"], "--dry-run", "--json"])[1])
+    h200 = json.loads(cli(["build", *PLANS["gpt-oss-120b-h200-tp8"], "--dry-run", "--json"])[1])
     for plan in (b200, h200):
         spec = plan["llm_api"]["speculative_config"]
         assert spec == {"decoding_type": "DFlash", "max_draft_len": 9, "speculative_model": "z-lab/gpt-oss-120b-DFlash",
@@ -157,9 +146,9 @@ def test_gpt_oss_120b_profiles(capsys):
         (["--target", "qwen3-8b", "--gpu", "h100"], r"--output is required"),
     ],
 )
-def test_validation_errors_are_one_line_exit_2(args, pattern, capsys):
+def test_validation_errors_are_one_line_exit_2(args, pattern, cli):
     dry = [] if pattern.startswith("--output") else ["--dry-run"]
-    code, out, err = run(["build", *args, *dry], capsys)
+    code, out, err = cli(["build", *args, *dry])
     assert code == 2, (code, err)
     assert re.search(pattern, err), err
     assert err.count("\n") == 1 and err.startswith("error: ") and out == ""
@@ -214,10 +203,10 @@ def _pair_dirs(tmp_path, **drafter_changes):
         ({"block_size": 1}, r"block_size=1: must be an integer >= 2"),
     ],
 )
-def test_incompatible_pairs_fail_before_heavy_work(tmp_path, capsys, changes, pattern):
+def test_incompatible_pairs_fail_before_heavy_work(tmp_path, cli, changes, pattern):
     tdir, ddir = _pair_dirs(tmp_path, **changes)
-    code, _, err = run(
-        ["build", "--target", str(tdir), "--drafter", str(ddir), "--output", str(tmp_path / "b")], capsys
+    code, _, err = cli(
+        ["build", "--target", str(tdir), "--drafter", str(ddir), "--output", str(tmp_path / "b")]
     )
     assert code == 2 and re.search(pattern, err), err
     assert not (tmp_path / "b").exists()
@@ -245,8 +234,8 @@ def test_llm_api_check_rejects_unknown_keys_and_values():
             validate_llm_api(cfg)
 
 
-def test_models_command(capsys):
-    code, out, _ = run(["models", "--json"], capsys)
+def test_models_command(cli):
+    code, out, _ = cli(["models", "--json"])
     rows = json.loads(out)
     names = {r["name"] for r in rows}
     assert {
@@ -263,14 +252,14 @@ def test_models_command(capsys):
     assert gpt["drafter_id"] == "z-lab/gpt-oss-120b-DFlash" and gpt["block_size"] == 10
     offline = {r["name"] for r in rows if r["shipped_configs"]}
     assert offline == {"gpt-oss-120b", "qwen3-8b", "llama-3.1-8b"}
-    code, out, _ = run(["models"], capsys)
+    code, out, _ = cli(["models"])
     assert code == 0 and "gpt-oss-120b" in out and "z-lab/Qwen3-8B-DFlash-b16" in out
     assert sum(line.endswith("(offline)") for line in out.splitlines()) == 3
 
 
-def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, capsys):
+def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, cli):
     out = tmp_path / "b"
-    code, _, err = run(["build", "--target", "tiny", "--output", str(out)], capsys)
+    code, _, err = cli(["build", "--target", "tiny", "--output", str(out)])
     assert code == 0, err
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     assert {"manifest.json", "engine/llm_api.yaml", "helm-values.yaml", "bench-plan.yaml", "BUNDLE.md",
@@ -281,10 +270,10 @@ def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, capsys):
         manifest["backend"] == "torch"
         and manifest["speculative"]["max_draft_len"] == manifest["speculative"]["block_size"] - 1
     )
-    code, _, err = run(["build", "--target", "tiny", "--output", str(out)], capsys)
+    code, _, err = cli(["build", "--target", "tiny", "--output", str(out)])
     assert code == 2 and "already holds a bundle" in err and "--force" in err
     before = {f: (out / f).read_bytes() for f in files}
-    code, _, _ = run(["build", "--target", "tiny", "--output", str(out), "--force"], capsys)
+    code, _, _ = cli(["build", "--target", "tiny", "--output", str(out), "--force"])
     assert code == 0
     after = {f: (out / f).read_bytes() for f in files}
     changed = {f for f in files if before[f] != after[f]}
@@ -300,19 +289,19 @@ def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, capsys):
     assert spec.returncode == 0, spec.stderr
 
 
-def test_failed_build_leaves_nothing_and_keeps_the_old_bundle(tmp_path, capsys, monkeypatch):
+def test_failed_build_leaves_nothing_and_keeps_the_old_bundle(tmp_path, cli, monkeypatch):
     out = tmp_path / "b"
-    assert run(["build", "--target", "tiny", "--output", str(out)], capsys)[0] == 0
+    assert cli(["build", "--target", "tiny", "--output", str(out)])[0] == 0
     old = (out / "manifest.json").read_text()
 
     def boom(*a, **k):
         raise RuntimeError("disk full (simulated)")
 
     monkeypatch.setattr("dflash_trt.triton.repository.render_repository", boom)
-    code, _, err = run(["build", "--target", "tiny", "--output", str(out), "--force"], capsys)
+    code, _, err = cli(["build", "--target", "tiny", "--output", str(out), "--force"])
     assert code == 1 and "disk full" in err
     assert (out / "manifest.json").read_text() == old  # untouched
-    code, _, _ = run(["build", "--target", "tiny", "--output", str(tmp_path / "new")], capsys)
+    code, _, _ = cli(["build", "--target", "tiny", "--output", str(tmp_path / "new")])
     assert code == 1 and not (tmp_path / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no temporary leftovers
 
@@ -343,8 +332,8 @@ RECIPES = sorted((Path(__file__).resolve().parents[2] / "build" / "recipes").glo
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_checked_in_recipes_plan(recipe, capsys):
-    code, out, err = run(["build", "-c", str(recipe), "--dry-run", "--json"], capsys)
+def test_checked_in_recipes_plan(recipe, cli):
+    code, out, err = cli(["build", "-c", str(recipe), "--dry-run", "--json"])
     assert code == 0, err
     plan = json.loads(out)
     assert plan["speculative"]["decoding_type"] == "DFlash"
@@ -352,11 +341,11 @@ def test_checked_in_recipes_plan(recipe, capsys):
         validate_against_field_list(plan["llm_api"])
 
 
-def test_recipe_keys_are_checked_and_flags_override(tmp_path, capsys):
+def test_recipe_keys_are_checked_and_flags_override(tmp_path, cli):
     bad = tmp_path / "bad.yaml"
     bad.write_text("target: tiny\nturbo: true\n")
-    code, _, err = run(["build", "-c", str(bad), "--dry-run"], capsys)
+    code, _, err = cli(["build", "-c", str(bad), "--dry-run"])
     assert code == 2 and "'turbo' is not a build option" in err
     recipe = Path(__file__).resolve().parents[2] / "build" / "recipes" / "qwen3-8b-h100-fp8.yaml"
-    code, out, _ = run(["build", "-c", str(recipe), "--max-batch-size", "8", "--dry-run", "--json"], capsys)
+    code, out, _ = cli(["build", "-c", str(recipe), "--max-batch-size", "8", "--dry-run", "--json"])
     assert code == 0 and json.loads(out)["limits"]["max_batch_size"] == 8

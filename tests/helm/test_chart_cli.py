@@ -11,15 +11,7 @@ import pytest
 import yaml
 from helm_support import KUBE_VERSIONS, load_manifest
 
-from dflash_trt.cli import main
 from dflash_trt.deploy import chart as deploy
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(["chart", *args])
-    out, err = capsys.readouterr()
-    return int(info.value.code or 0), out, err
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +36,8 @@ def bundle(tmp_path: Path) -> Path:
     return bundle
 
 
-def test_missing_values_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, err = _run(capsys, "--bundle", str(tmp_path))
+def test_missing_values_file(cli, tmp_path: Path) -> None:
+    code, out, err = cli(["chart", "--bundle", str(tmp_path)])
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1
@@ -53,19 +45,17 @@ def test_missing_values_file(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
 
 @pytest.mark.helm
-def test_lint_is_the_default(capsys: pytest.CaptureFixture[str], bundle: Path) -> None:
-    code, out, err = _run(capsys, "--bundle", str(bundle))
+def test_lint_is_the_default(cli, bundle: Path) -> None:
+    code, out, err = cli(["chart", "--bundle", str(bundle)])
     assert code == 0, err
     assert out == "" and "lint: ok:" in err and "helm-python-sdk" in err
 
 
 @pytest.mark.helm
-def test_render_to_stdout_with_extra_values(
-    capsys: pytest.CaptureFixture[str], bundle: Path, tmp_path: Path
-) -> None:
+def test_render_to_stdout_with_extra_values(cli, bundle: Path, tmp_path: Path) -> None:
     extra = tmp_path / "prod.yaml"
     extra.write_text("replicaCount: 3\nstorage:\n  storageClassName: fast\n")
-    code, out, err = _run(capsys, "--bundle", str(bundle), "--lint", "--render", "-", "-f", str(extra))
+    code, out, err = cli(["chart", "--bundle", str(bundle), "--lint", "--render", "-", "-f", str(extra)])
     assert code == 0, err
     docs = {d["kind"]: d for d in yaml.safe_load_all(out) if d}
     assert docs["Deployment"]["spec"]["replicas"] == 3
@@ -75,14 +65,12 @@ def test_render_to_stdout_with_extra_values(
 
 
 @pytest.mark.helm
-def test_binary_render_and_validate(
-    capsys: pytest.CaptureFixture[str], bundle: Path, helm_binary: Path, tmp_path: Path
-) -> None:
+def test_binary_render_and_validate(cli, bundle: Path, helm_binary: Path, tmp_path: Path) -> None:
     out_file = tmp_path / "out" / "manifests.yaml"
     args = ["--bundle", str(bundle), "--lint", "--render", str(out_file), "--helm-binary", str(helm_binary)]
     for version in KUBE_VERSIONS:
         args += ["--kube-version", version]
-    code, _, err = _run(capsys, *args)
+    code, _, err = cli(["chart", *args])
     assert code == 0, err
     assert "helm binary" in err and "validate: ok" in err and f"render: wrote 7 objects to {out_file}" in err
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out_file.read_text()) if d)
@@ -100,14 +88,14 @@ def test_binary_render_and_validate(
 @pytest.mark.helm
 @pytest.mark.parametrize("use_binary", [False, True])
 def test_bad_extra_values_fail_with_the_key(
-    capsys: pytest.CaptureFixture[str], bundle: Path, tmp_path: Path, helm_binary: Path, use_binary: bool
+    cli, bundle: Path, tmp_path: Path, helm_binary: Path, use_binary: bool
 ) -> None:
     extra = tmp_path / "bad.yaml"
     extra.write_text("gpu:\n  count: 12\n")
     args = ["--bundle", str(bundle), "-f", str(extra)] + (
         ["--helm-binary", str(helm_binary)] if use_binary else []
     )
-    code, _, err = _run(capsys, *args)
+    code, _, err = cli(["chart", *args])
     assert code == 1
     last = err.strip().splitlines()[-1]
     assert (
@@ -115,13 +103,13 @@ def test_bad_extra_values_fail_with_the_key(
     )
 
     extra.write_text("replicaCount: many\n")
-    code, out, err = _run(capsys, *args, "--render", "-")
+    code, out, err = cli(["chart", *args, "--render", "-"])
     assert code == 2 and out == "", "values rejected on render are a usage error"
     assert "/replicaCount" in err
 
 
-def test_wrong_chart_dir(capsys: pytest.CaptureFixture[str], bundle: Path, tmp_path: Path) -> None:
-    code, _, err = _run(capsys, "--bundle", str(bundle), "--chart", str(tmp_path))
+def test_wrong_chart_dir(cli, bundle: Path, tmp_path: Path) -> None:
+    code, _, err = cli(["chart", "--bundle", str(bundle), "--chart", str(tmp_path)])
     assert code == 2 and "no Chart.yaml" in err and "fix:" in err
 
 

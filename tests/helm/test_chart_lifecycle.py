@@ -24,7 +24,7 @@ import pytest
 from helm_support import CHART_DIR, load_value_set
 
 from dflash_trt import deploy
-from tests.serving.conftest import build_bundle, free_ports
+from tests.serving.conftest import HANG_S, build_bundle, eventually, free_ports
 
 pytestmark = [pytest.mark.helm, pytest.mark.triton_server]
 
@@ -84,6 +84,7 @@ def _probe_script(container: dict[str, Any], kind: str, server: Any, control: An
     return script.replace("/proc/[0-9]*/cmdline", own)
 
 
+@pytest.mark.timing
 def test_liveness_and_readiness_probes_fail_once_the_stub_or_its_engine_is_wedged_or_dead(chart_server):
     server, _, container, control = chart_server
     live = _probe_script(container, "livenessProbe", server, control)
@@ -104,10 +105,7 @@ def test_liveness_and_readiness_probes_fail_once_the_stub_or_its_engine_is_wedge
         assert out.returncode == 1 and "heartbeat is stale" in out.stderr, out.stderr
     finally:
         os.kill(stub, signal.SIGCONT)
-    deadline = time.monotonic() + 10
-    while probe().returncode != 0:  # beating again
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    eventually(lambda: probe().returncode == 0, "the heartbeat beating again", every=0.2)
     # the engine dies (the injected fault, in its 3rd step): the client gets an explicit error, Triton
     # still answers ready, and both probes fail naming the cause
     events: list = []
@@ -116,10 +114,7 @@ def test_liveness_and_readiness_probes_fail_once_the_stub_or_its_engine_is_wedge
     assert isinstance(events[-1], dict) and "injected engine-raise at step 3" in events[-1].get(
         "error", ""
     ), events
-    deadline = time.monotonic() + 15
-    while not (control / "engine-dead").exists():
-        assert time.monotonic() < deadline, "the model never reported its dead engine"
-        time.sleep(0.1)
+    eventually(lambda: (control / "engine-dead").exists(), "the model reporting its dead engine", timeout=15)
     assert httpx.get(f"{server.http_url}/v2/health/ready", timeout=5).status_code == 200
     for script in (live, ready):
         out = probe(script)
@@ -127,13 +122,13 @@ def test_liveness_and_readiness_probes_fail_once_the_stub_or_its_engine_is_wedge
             out.returncode == 1 and "the model's engine is dead: engine failure: InjectedFault" in out.stderr
         ), out.stderr
     os.kill(stub, signal.SIGKILL)
-    time.sleep(0.2)
     # Triton itself still answers live (the defect the probe works around)
     assert httpx.get(f"{server.http_url}/v2/health/live", timeout=5).status_code == 200
-    out = probe()
-    assert out.returncode == 1 and "no live triton_python_backend_stub" in out.stderr
+    out = eventually(lambda: (o := probe()).returncode == 1 and o, "the probe failing on the dead stub")
+    assert "no live triton_python_backend_stub" in out.stderr
 
 
+@pytest.mark.timing
 def test_prestop_drains_then_sigterm_exits_0(tmp_path):
     from dflash_trt.triton.server import TritonServer
 
@@ -164,16 +159,12 @@ def test_prestop_drains_then_sigterm_exits_0(tmp_path):
         ]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while not all(streams.values()) or streams[0][-1].get("finish_reason") != "length":
-            assert time.monotonic() < deadline, streams
-            time.sleep(0.01)
+        eventually(lambda: all(streams.values()) and streams[0][-1].get("finish_reason") == "length",
+                   "every stream started and the short one finished", every=0.01)  # fmt: skip
         script = container["lifecycle"]["preStop"]["exec"]["command"][2].replace(CONTROL, str(control))
-        t0 = time.monotonic()
-        hook = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=60)
-        hook_s = time.monotonic() - t0
+        hook = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=HANG_S)
         assert hook.returncode == 0, hook.stderr
-        assert (control / "drained").exists() and hook_s < 10, hook_s
+        assert (control / "drained").exists()  # the hook returned once the model had drained
         refused = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm/generate",
                              json={"text_input": "late", "sampling_param_max_tokens": 2}, timeout=10)  # fmt: skip
         # the model answers UNAVAILABLE; Triton 2.51's generate endpoints turn every model error into 400

@@ -87,7 +87,7 @@ def test_helm_test_pod_for_the_front() -> None:
     pods = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Pod"}
     pod = pods[f"{RELEASE}-dflash-trt-test-openai"]
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}  # the key: valueFrom
     assert env["OPENAI_URL"] == f"http://{RELEASE}-dflash-trt:9100/v1"
     assert not any(n.endswith("test-openai") for n in (d["metadata"]["name"] for d in
                    _render(load_value_set("tiny-cpu")).documents if d["kind"] == "Pod"))  # fmt: skip

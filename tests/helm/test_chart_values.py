@@ -13,11 +13,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+import values_docs as docs
 import yaml
 from helm_support import CHART_DIR, load_value_set
 
 from dflash_trt.deploy import chart as deploy
-from dflash_trt.deploy import docs
 from dflash_trt.errors import UsageError
 
 SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())

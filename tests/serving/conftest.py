@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,21 @@ def http_generate(srv, body: dict, *, stream: bool = False, timeout: float = 60)
             if line.startswith("data:"):
                 events.append(json.loads(line[5:]))
     return events
+
+
+HANG_S = 120.0  # how long `eventually` waits: a bound on a hang, never a timing under test
+
+
+def eventually(condition: Callable[[], object], what: str, *, timeout: float = HANG_S, every: float = 0.05):
+    """Poll until `condition()` is true and return its value; fail naming `what` only after `timeout`
+    (which a loaded machine never needs: the tests wait for states, they do not time them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(every)
 
 
 def metric_value(srv, name: str) -> float:

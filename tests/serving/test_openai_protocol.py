@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 
 from dflash_trt.openai_front import protocol as P
-from dflash_trt.openai_front.upstream import UNAVAILABLE_PREFIX, model_error
-from dflash_trt.triton.repository import model_py_source
+from dflash_trt.openai_front.upstream import model_error
 
 SERVED = ["tiny"]
 
 
 def test_completions_defaults_follow_openai() -> None:
-    g = P.parse_completions({"model": "tiny", "prompt": ["hello"]}, SERVED, max_seq_len=64)
+    g = P.parse_completions({"model": "tiny", "prompt": ["hello"]}, SERVED)
     assert (g.prompt, g.max_tokens, g.temperature, g.stream, g.include_usage) == (
         "hello",
         16,
@@ -53,9 +52,9 @@ def test_extensions_and_aliases() -> None:
         ({"prompt": "p", "model": "other"}, "model"),
         ({"prompt": "p", "model": None}, "model"),
         ({"prompt": "p", "model": "tiny", "max_tokens": True}, "max_tokens"),
-        ({"prompt": "p", "model": "tiny", "max_tokens": 65}, "max_tokens"),
-        ({"prompt": "p", "model": "tiny", "temperature": 2.5}, "temperature"),
-        ({"prompt": "p", "model": "tiny", "stop": ["a"] * 17}, "stop"),
+        ({"prompt": "p", "model": "tiny", "max_tokens": 2**31}, "max_tokens"),  # beyond the INT32 input
+        ({"prompt": "p", "model": "tiny", "temperature": "hot"}, "temperature"),
+        ({"prompt": "p", "model": "tiny", "seed": -1}, "seed"),  # the UINT64 input carries no sign
         (
             {"prompt": "p", "model": "tiny", "stream": True, "stream_options": {"include_usage": 1}},
             "stream_options.include_usage",
@@ -66,25 +65,66 @@ def test_extensions_and_aliases() -> None:
 )
 def test_refusals_name_the_field(body, param) -> None:
     with pytest.raises(P.OpenAIError) as info:
-        P.parse_completions(body, SERVED, max_seq_len=64)
+        P.parse_completions(body, SERVED)
     err = info.value.body()["error"]
     assert info.value.status == 400 and err["param"] == param and err["type"] == "invalid_request_error"
     assert "; fix: " in err["message"] and err["message"].startswith(param.split(".")[0])
 
 
-def test_model_errors_are_classified() -> None:
-    e = model_error("prompt has 3000 tokens, not below max_seq_len=2048; fix: shorten the prompt")
-    assert (e.status, e.param) == (400, "prompt")
+def test_what_values_mean_is_left_to_the_engine() -> None:
+    """The front checks the protocol; max_tokens against max_seq_len, sampling ranges, min_tokens
+    against max_tokens and the number of stops are the engine's rules (LLMEngine.add_request)."""
+    g = P.parse_completions(
+        {"model": "tiny", "prompt": "p", "max_tokens": 0, "temperature": 2.5, "top_p": 0, "stop": ["a"] * 17,
+         "min_tokens": 50, "stop_token_ids": [-1]},
+        SERVED,
+    )  # fmt: skip
+    assert (g.max_tokens, g.temperature, g.top_p, len(g.stop), g.min_tokens) == (0, 2.5, 0.0, 17, 50)
+    c = P.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9},
+                     SERVED)  # fmt: skip
+    assert (c.max_tokens, c.max_tokens_param) == (9, "max_completion_tokens")
+
+
+def _gen(kind: str = "completions", **kw) -> P.Generation:
+    return P.Generation(kind=kind, model="tiny", **kw)
+
+
+def test_model_errors_are_read_from_the_trailer_not_the_prose() -> None:
+    trailer = " (error: INVALID_ARG, field: {})"
     e = model_error(
-        "prompt of 10 tokens + max_tokens=4000 exceeds max_seq_len=2048; fix: use max_tokens <= 2038"
+        "prompt has 3000 tokens, not below max_seq_len=2048; fix: x" + trailer.format("prompt"), _gen()
     )
-    assert (e.status, e.param) == (400, "max_tokens")
-    e = model_error("RuntimeError: CUDA error: an illegal memory access was encountered")
-    assert (e.status, e.type) == (500, "server_error")
-    # the model's UNAVAILABLE errors (a dead engine, draining) carry a prefix: a stream error has no code
-    e = model_error("unavailable: the engine is dead (engine failure: RuntimeError: boom); retry")
+    assert (e.status, e.param, e.message) == (
+        400,
+        "prompt",
+        "prompt has 3000 tokens, not below max_seq_len=2048; fix: x",
+    )
+    assert model_error("too long" + trailer.format("prompt"), _gen("chat")).param == "messages"
+    assert model_error("x" + trailer.format("text_input"), _gen()).param == "prompt"
+    # the field the client used, whatever the message says
+    msg = "prompt (10 tokens) + max_tokens=4000 exceeds max_seq_len=2048" + trailer.format("max_tokens")
+    assert (
+        model_error(msg, _gen("chat", max_tokens_param="max_completion_tokens")).param
+        == "max_completion_tokens"
+    )
+    assert model_error("temperature=-1.0: bad" + trailer.format("temperature"), _gen()).param == "temperature"
+    assert model_error("x" + trailer.format("sampling_param_top_k"), _gen()).param == "top_k"
+    # no field named: no param, even when the message mentions one
+    e = model_error("max_tokens and prompt are fine, the rest is not (error: INVALID_ARG)", _gen())
+    assert (e.status, e.param) == (400, None)
+    e = model_error("RuntimeError: CUDA error: an illegal memory access (error: INTERNAL)", _gen())
+    assert (e.status, e.type) == (500, "server_error") and "(error:" not in e.message
+    e = model_error("engine failure: the round raised (error: INTERNAL)", _gen())
+    assert e.status == 500
+    e = model_error("the server is shutting down (draining) (error: UNAVAILABLE)", _gen())
+    assert (e.status, e.type) == (503, "server_error")
+    e = model_error(
+        "the engine is dead (engine failure: RuntimeError: boom); retry (error: UNAVAILABLE)", _gen()
+    )
     assert (e.status, e.type, e.param) == (503, "server_error", None)
-    assert f'UNAVAILABLE_PREFIX = "{UNAVAILABLE_PREFIX}"' in model_py_source()  # one wire convention
+    # Triton's own errors (before the model) carry no trailer: a bad request, no param
+    e = model_error("Request for unknown model: 'x' is not found", _gen())
+    assert (e.status, e.param) == (400, None)
 
 
 def test_response_and_chunk_shapes() -> None:

@@ -2,7 +2,8 @@
 """Serving reliability against a real tritonserver / `dflash-trt serve` (loopback, small max_tokens):
 load correctness over HTTP SSE and gRPC together, abandoned streams, the bad-input matrix on both
 protocols, a huge prompt, a killed Python stub, and SIGTERM under load and with an idle keep-alive
-connection. Bounded: each case takes seconds on 2 CPU cores."""
+connection. Bounded: each case takes seconds on 2 CPU cores. The tests wait for states (a stream
+started, a slot freed, a process gone) and bound only hangs, so they pass on a loaded machine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.serving.conftest import http_generate, launch_serve, metric_value
+from dflash_trt.cli.serve import HEARTBEAT_TIMEOUT_S
+from tests.serving.conftest import HANG_S, eventually, http_generate, launch_serve, metric_value
 
 pytestmark = pytest.mark.triton_server
 
@@ -175,6 +177,7 @@ def test_load_mixing_http_sse_and_grpc_matches_single_requests(server):
     assert not mismatches  # greedy output does not depend on batching or protocol
 
 
+@pytest.mark.timing
 def test_abandoned_streams_free_their_slots(server):
     kept = []
     threads = [threading.Thread(target=lambda: kept.append(sse(server.http_url, stream_body("a = ", 1500), stop_after=2)))
@@ -185,18 +188,14 @@ def test_abandoned_streams_free_their_slots(server):
     normal = http_generate(server, {"text_input": "c = ", "sampling_param_max_tokens": 4})
     for t in threads:
         t.join(60)
-    deadline = time.monotonic() + 30
-    while not all(len(s.items) >= 2 for s in grpcs):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    eventually(lambda: all(len(s.items) >= 2 for s in grpcs), "every gRPC stream started")
     for s in grpcs:
         s.close(cancel=True)  # the client goes away mid-stream
     assert normal.status_code == 200 and len(kept) == 4
-    t0 = time.monotonic()
-    while any(metric_value(server, m) for m in ("dflash_requests_active", "dflash_requests_queued",
-                                                 "dflash_kv_cache_utilization")):  # fmt: skip
-        assert time.monotonic() - t0 < 10, "abandoned streams still hold the engine"
-        time.sleep(0.1)
+    gauges = ("dflash_requests_active", "dflash_requests_queued", "dflash_kv_cache_utilization")
+    # 8 x 1500 tokens would keep the engine busy for minutes: it is idle again because they were aborted
+    eventually(lambda: not any(metric_value(server, m) for m in gauges), "the abandoned streams' slots freed",
+               every=0.1)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -230,10 +229,11 @@ def test_bad_input_over_http_gets_400_naming_the_field(server, body, pattern):
     assert r.status_code == 400 and pattern in r.json()["error"], r.text
 
 
+@pytest.mark.timing
 def test_huge_prompt_is_refused_before_tokenizing_and_others_are_unaffected(server):
     stub = stubs_of(server.proc.pid)[0]
     small = {"text_input": "def g():", "sampling_param_max_tokens": 4}
-    base = min(_timed(lambda: http_generate(server, small))[1] for _ in range(3))
+    assert http_generate(server, small).status_code == 200
     rss_before = stub_rss_mb(stub)
     # encoded up front: building 20 MB of JSON here would hold the GIL and delay our own normal client
     big = json.dumps({"text_input": "x" * (20 * 1024 * 1024), "sampling_param_max_tokens": 4}).encode()
@@ -244,53 +244,40 @@ def test_huge_prompt_is_refused_before_tokenizing_and_others_are_unaffected(serv
         )
 
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(big=_timed(post_big)))
+    t = threading.Thread(target=lambda: result.update(big=post_big()))
     t.start()
-    time.sleep(0.05)
-    normal, normal_s = _timed(lambda: http_generate(server, small))
+    normal = http_generate(server, small)  # served while the huge one is in flight
     t.join(60)
-    r, big_s = result["big"]
+    r = result["big"]
+    # refused by the byte check, which runs before the text is decoded or tokenized (a 20 MB prompt
+    # tokenized would cost its own size several times over in the stub)
     assert (
         r.status_code == 400 and "text_input is 20971520 bytes, over the limit of 65536" in r.json()["error"]
     )
-    assert big_s < 2.0, f"the 20 MB prompt took {big_s:.2f} s to refuse"
-    assert normal.status_code == 200 and normal_s - base < 1.0, f"a normal request waited {normal_s:.2f} s"
+    assert normal.status_code == 200
     assert stub_rss_mb(stub) - rss_before < 200, "the stub kept the huge prompt's memory"
 
 
-def _timed(fn):
-    t0 = time.monotonic()
-    out = fn()
-    return out, time.monotonic() - t0
-
-
 # --- serve: killed stub, SIGTERM ------------------------------------------------------------------
+@pytest.mark.timing
 def test_killed_stub_fails_inflight_clients_and_serve_exits_nonzero(tiny_bundle):
     proc, ports = launch_serve(tiny_bundle)
     url = f"http://127.0.0.1:{ports['http']}"
     try:
         g = GrpcStream(f"127.0.0.1:{ports['grpc']}", grpc_inputs("def g():", 2000))
-        deadline = time.monotonic() + 30
-        while len(g.items) < 1:
-            assert time.monotonic() < deadline, "the gRPC stream never started"
-            time.sleep(0.01)
+        eventually(lambda: len(g.items) >= 1, "the gRPC stream started", every=0.01)
         out: list = []
-        t = threading.Thread(target=lambda: sse(url, stream_body("def f():", 2000), timeout=60, into=out))
+        t = threading.Thread(target=lambda: sse(url, stream_body("def f():", 2000), timeout=HANG_S, into=out))
         t.start()
-        while len(out) < 1:
-            assert time.monotonic() < deadline, "the HTTP stream never started"
-            time.sleep(0.01)
+        eventually(lambda: len(out) >= 1, "the HTTP stream started", every=0.01)
         triton = children(proc.pid)
         (stub,) = [s for pid in triton for s in stubs_of(pid)]
-        t0 = time.monotonic()
         os.kill(stub, signal.SIGKILL)
-        t.join(15)
-        assert g.done.wait(15)
-        clients_s = time.monotonic() - t0
-        _, err = proc.communicate(timeout=15)
-        exit_s = time.monotonic() - t0
+        # both clients end (2000 tokens each would take minutes) and serve exits on its own
+        t.join(HANG_S)
+        assert g.done.wait(HANG_S) and not t.is_alive()
+        _, err = proc.communicate(timeout=HANG_S)
         g.close()
-        assert clients_s < 10 and exit_s < 10, (clients_s, exit_s)
         assert isinstance(out[-1], str) and "RemoteProtocolError" in out[-1]  # the stream breaks, no hang
         assert "UNAVAILABLE" in (g.error() or "")
         assert proc.returncode == 1 and "Python-backend stub" in err and "died" in err, err
@@ -302,31 +289,42 @@ def test_killed_stub_fails_inflight_clients_and_serve_exits_nonzero(tiny_bundle)
             proc.communicate()
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.timing
 def test_sigterm_under_load_ends_every_stream_explicitly_and_exits_0(tiny_bundle):
     drain = 3.0
     proc, ports = launch_serve(tiny_bundle, "--drain-timeout", str(drain))
     url = f"http://127.0.0.1:{ports['http']}"
     try:
-        results: dict = {}
         bodies = {i: stream_body(f"v{i} = ", 8 if i < 2 else 2000) for i in range(6)}  # 2 short, 4 long
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, sse(url, bodies[i])))
+        results: dict = {i: [] for i in bodies}  # the events of each stream, as they come
+        threads = [threading.Thread(target=lambda i=i: sse(url, bodies[i], timeout=HANG_S, into=results[i]))
                    for i in bodies]  # fmt: skip
         grpcs = [GrpcStream(f"127.0.0.1:{ports['grpc']}", grpc_inputs(f"w{i} = ", 2000)) for i in range(2)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
-        t0 = time.monotonic()
+        eventually(lambda: all(results.values()) and all(g.items for g in grpcs), "every stream started")
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        assert httpx.get(f"{url}/v2/health/ready", timeout=2).status_code != 200  # readiness false first
-        refused = httpx.post(url + GEN, json={"text_input": "new", "sampling_param_max_tokens": 2}, timeout=5)
-        assert refused.status_code != 200  # no new work while draining
+        eventually(lambda: not _ready(url), "readiness off")  # readiness turns false first
+        try:
+            refused = httpx.post(
+                url + GEN, json={"text_input": "new", "sampling_param_max_tokens": 2}, timeout=5
+            )
+            assert refused.status_code != 200  # no new work while draining
+        except httpx.TransportError:
+            pass  # already gone: no new work either
         for t in threads:
-            t.join(30)
+            t.join(HANG_S)
         for g in grpcs:
-            assert g.done.wait(30)
-        _, err = proc.communicate(timeout=30)
-        took = time.monotonic() - t0
+            assert g.done.wait(HANG_S)
+        # the long ones (2000 tokens: minutes) end at the drain deadline, and serve exits on its own
+        _, err = proc.communicate(timeout=HANG_S)
         for i, events in results.items():
             last = events[-1]
             assert isinstance(last, dict), f"stream {i} was cut: {last}"  # never a silent cut
@@ -341,13 +339,16 @@ def test_sigterm_under_load_ends_every_stream_explicitly_and_exits_0(tiny_bundle
         # every request ended explicitly and the engine shut down; the gRPC clients' open streams may
         # keep Triton from finalizing the model (it is then killed, after the drain)
         assert re.search(r"model (finalized|drained)", err) and "exit code -11" not in err, err
-        assert took < drain + 10, took
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
 
 
+TRITON_DEFAULT_EXIT_TIMEOUT_S = 30.0
+
+
+@pytest.mark.timing
 def test_sigterm_with_an_idle_keepalive_connection_exits_0_quickly(tiny_bundle):
     proc, ports = launch_serve(tiny_bundle)
     try:
@@ -359,16 +360,19 @@ def test_sigterm_with_an_idle_keepalive_connection_exits_0_quickly(tiny_bundle):
             )
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=30)
+            _, err = proc.communicate(timeout=HANG_S)
             took = time.monotonic() - t0
         assert proc.returncode == 0 and "model finalized" in err, err
-        assert took < 5.0, took
+        # the idle connection was not waited for: Triton's own exit timeout (30 s by default) is
+        # serve's EXIT_TIMEOUT_S; an order of magnitude below 30 s, whatever the load
+        assert took < TRITON_DEFAULT_EXIT_TIMEOUT_S - 5, took
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
 
 
+@pytest.mark.timing
 def test_wedged_stub_is_noticed_by_its_stale_heartbeat(tiny_bundle):
     proc, ports = launch_serve(tiny_bundle)
     url = f"http://127.0.0.1:{ports['http']}"
@@ -377,10 +381,11 @@ def test_wedged_stub_is_noticed_by_its_stale_heartbeat(tiny_bundle):
         os.kill(stub, signal.SIGSTOP)  # alive but wedged: Triton keeps reporting ready
         t0 = time.monotonic()
         assert httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=HANG_S)
         took = time.monotonic() - t0
         assert proc.returncode == 1 and "heartbeat" in err and "wedged" in err, err
-        assert took < 15, took  # 10 s of silence, plus up to a beat
+        # serve waited for the heartbeat to go stale (it beats every second), not for anything less
+        assert took >= HEARTBEAT_TIMEOUT_S - 1.0, took
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/v2/health/ready", timeout=2)
     finally:

@@ -9,8 +9,6 @@ import json
 import pytest
 import torch
 
-from dflash_trt.cli import main
-
 # The guard: pooled tau (accepted tokens over all rounds, bonus included) of greedy DFlash on the
 # first GUARD_PROMPTS held-out prompts, measured by this test. The recipe measured TAU_MEASURED on
 # those prompts at GUARD_TOKENS new tokens (see bench/README.md); a drafter that stopped predicting
@@ -19,16 +17,6 @@ TAU_MEASURED = 4.69
 TAU_GUARD = 3.8
 GUARD_PROMPTS = 8
 GUARD_TOKENS = 96
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +49,15 @@ def test_tiny_is_the_packaged_trained_pair():
     assert len(prompts) >= GUARD_PROMPTS and all(p.endswith("\n") for p in prompts)
 
 
-def test_tiny_greedy_is_lossless_through_the_cli(capsys):
+def test_tiny_greedy_is_lossless_through_the_cli(cli):
     from dflash_trt.tiny import heldout_prompts
 
     for prompt in ("def fibonacci(n):\n", heldout_prompts()[0]):
         base = ["generate", "--target", "tiny", "--prompt", prompt, "--max-new-tokens", "128", "--json"]
-        code, out, err = run(base, capsys)
+        code, out, err = cli(base)
         assert code == 0, err
         spec = json.loads(out)
-        code, out, err = run([*base, "--no-draft"], capsys)
+        code, out, err = cli([*base, "--no-draft"])
         assert code == 0, err
         plain = json.loads(out)
         assert spec["output_ids"] == plain["output_ids"] and spec["text"] == plain["text"]

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trt.cli import main
 from tests.conftest import make_drafter, make_target
 
 TOY_CODE = (
@@ -20,16 +19,6 @@ TOY_CODE = (
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
     "for i in range(10):\n    print(i, i * i)\n",
 )
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
@@ -87,14 +76,14 @@ def test_loss_decreases_on_a_toy_set():
 
 
 @pytest.mark.slow
-def test_cli_trains_exports_and_resumes_exactly(toy, tmp_path, capsys):
+def test_cli_trains_exports_and_resumes_exactly(toy, tmp_path, cli):
     from safetensors.torch import load_file
 
     from dflash_trt.models.checkpoint import load_drafter
 
     tdir, data = toy
     straight, half = tmp_path / "straight", tmp_path / "half"
-    code, out, err = run([*base_args(tdir, data, straight), "--steps", "6", "--json"], capsys)
+    code, out, err = cli([*base_args(tdir, data, straight), "--steps", "6", "--json"])
     assert code == 0, err
     summary = json.loads(out)
     assert summary["steps"] == 6 and summary["eval_prompts"] == 1 and summary["tau"] >= 1.0
@@ -122,23 +111,23 @@ def test_cli_trains_exports_and_resumes_exactly(toy, tmp_path, capsys):
     )  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
         train_drafter(cfg, progress=False, report=interrupt)
-    assert torch.load(half / "train_state.pt", weights_only=False)["step"] == 3
-    code, _, err = run([*base_args(tdir, data, half), "--steps", "6", "--resume"], capsys)
+    assert torch.load(half / "train_state.pt", weights_only=True)["step"] == 3
+    code, _, err = cli([*base_args(tdir, data, half), "--steps", "6", "--resume"])
     assert code == 0, err
     a = load_file(str(straight / "model.safetensors"))
     b = load_file(str(half / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    assert torch.load(half / "train_state.pt", weights_only=False)["step"] == 6
+    assert torch.load(half / "train_state.pt", weights_only=True)["step"] == 6
 
     # refusals: each names the flag, the value and the fix
-    code, _, err = run([*base_args(tdir, data, straight), "--steps", "6"], capsys)
+    code, _, err = cli([*base_args(tdir, data, straight), "--steps", "6"])
     assert code == 2 and "already holds a training run" in err and "--resume" in err
-    code, _, err = run([*base_args(tdir, data, tmp_path / "none"), "--steps", "6", "--resume"], capsys)
+    code, _, err = cli([*base_args(tdir, data, tmp_path / "none"), "--steps", "6", "--resume"])
     assert code == 2 and "train_state.pt does not exist" in err
     args = base_args(tdir, data, straight)
     args[args.index("--lr") + 1] = "1e-3"
-    code, _, err = run([*args, "--steps", "8", "--resume"], capsys)
+    code, _, err = cli([*args, "--steps", "8", "--resume"])
     assert code == 2 and "--lr=0.001 differs from the saved run's 0.003" in err
 
 
@@ -153,25 +142,25 @@ def test_cli_trains_exports_and_resumes_exactly(toy, tmp_path, capsys):
         (["--seq-len", "4"], r"--seq-len=4 leaves no room for a block of 4"),
     ],
 )
-def test_usage_errors_name_the_flag(toy, tmp_path, capsys, extra, pattern):
+def test_usage_errors_name_the_flag(toy, tmp_path, cli, extra, pattern):
     tdir, data = toy
-    code, out, err = run([*base_args(tdir, data, tmp_path / "x"), *extra], capsys)
+    code, out, err = cli([*base_args(tdir, data, tmp_path / "x"), *extra])
     assert code == 2, err
     assert re.search(pattern, err), err
     assert "Traceback" not in err and out == ""
 
 
-def test_bad_data_is_refused(toy, tmp_path, capsys):
+def test_bad_data_is_refused(toy, tmp_path, cli):
     tdir, _ = toy
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"prompt": "no"}\n')
-    code, _, err = run([*base_args(tdir, bad, tmp_path / "x"), "--steps", "1"], capsys)
+    code, _, err = cli([*base_args(tdir, bad, tmp_path / "x"), "--steps", "1"])
     assert code == 2 and "line 2 has neither 'messages'" in err
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    code, _, err = run([*base_args(tdir, chat, tmp_path / "y"), "--steps", "1"], capsys)
+    code, _, err = cli([*base_args(tdir, chat, tmp_path / "y"), "--steps", "1"])
     assert code == 2 and "chat template" in err
-    code, _, err = run([*base_args(tdir, tmp_path / "missing", tmp_path / "z"), "--steps", "1"], capsys)
+    code, _, err = cli([*base_args(tdir, tmp_path / "missing", tmp_path / "z"), "--steps", "1"])
     assert code == 2 and "does not exist" in err
 
 
@@ -280,3 +269,36 @@ def test_text_job_prompts_never_end_in_end_of_text():
     # without an eos id the window is taken as it is
     (first, _) = rg.text_jobs([short, long], prompt_len=(30, 30), seq_len=64, min_new_tokens=4, seed=0)
     assert list(first.prompt_ids) == short.input_ids
+
+
+class _Planted:
+    """What a planted state file could hold: an object whose unpickling runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("kind", ["planted", "not_a_state", "damaged"])
+def test_resume_never_unpickles_arbitrary_objects(tmp_path, kind):
+    from dflash_trt.errors import UsageError
+    from dflash_trt.training.trainer import STATE_FILE, TrainConfig, _saved_state
+
+    out, marker = tmp_path / "run", tmp_path / "code-ran"
+    out.mkdir()
+    state = out / STATE_FILE
+    if kind == "planted":
+        torch.save({"step": 1, "drafter": {}, "optimizer": {}, "config": {}, "samples_digest": "",
+                    "payload": _Planted(marker)}, state)  # fmt: skip
+    elif kind == "not_a_state":
+        torch.save({"weights": torch.zeros(2)}, state)
+    else:
+        state.write_bytes(b"PK\x03\x04 not really a zip")
+    cfg = TrainConfig(target="tiny", data=str(tmp_path / "d.jsonl"), out=str(out), resume=True)
+    with pytest.raises(
+        UsageError, match=r"--resume: .*train_state.pt is not a (training|train-drafter) state"
+    ):
+        _saved_state(cfg, out)
+    assert not marker.exists()

@@ -20,7 +20,7 @@ to it tie that bundle to this build spec (an upgrade with other args waits for t
 {{- if $b.image.repository -}}
 {{- include "dflash-trt.image" (dict "repository" $b.image.repository "tag" ($b.image.tag | default .Values.image.tag) "digest" "") -}}
 {{- else -}}
-{{- include "dflash-trt.image" .Values.image -}}
+{{- include "dflash-trt.dflashImage" . -}}
 {{- end -}}
 {{- end -}}
 

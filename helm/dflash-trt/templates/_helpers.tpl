@@ -51,6 +51,36 @@ app.kubernetes.io/part-of: dflash-trt
 {{- .repository -}}{{- with .tag -}}:{{ . }}{{- end -}}{{- with .digest -}}@{{ . }}{{- end -}}
 {{- end -}}
 
+{{/*
+An image with dflash-trt installed, for containers that run `dflash-trt build` without an image of
+their own: the server image for backend=torch (build/docker/Dockerfile.serve-torch), the build image
+for backend=trtllm (build/docker/Dockerfile.build-trtllm: dflash-trt and ModelOpt on the NGC
+TensorRT-LLM image), since the NGC server image has no dflash-trt.
+*/}}
+{{- define "dflash-trt.dflashImage" -}}
+{{- if eq .Values.backend "torch" -}}
+{{- include "dflash-trt.image" .Values.image -}}
+{{- else -}}
+{{- printf "ghcr.io/dflash-trt/dflash-trt-build:%s-trtllm" .Chart.AppVersion -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+API key (apiKey.secretName): every Triton endpoint group but `health` needs `authorization: Bearer
+<key>` (gRPC metadata `triton-grpc-protocol-authorization`); probes and the metrics port stay open.
+Kubernetes expands $(DFLASH_TRT_API_KEY) from the container's environment, so the pod spec names only
+the Secret. The groups are dflash_trt.triton.server.PROTECTED_APIS plus model-repository (tests check).
+*/}}
+{{- define "dflash-trt.apiKeyGroups" -}}inference,metadata,model-config,statistics,shared-memory,trace,logging,model-repository{{- end -}}
+
+{{- define "dflash-trt.apiKeyEnv" -}}
+- name: DFLASH_TRT_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.secretName }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end -}}
+
 {{/* GPUs on each pod: the whole replica on one node, or one node's worth per LWS pod. */}}
 {{- define "dflash-trt.gpusPerPod" -}}
 {{- if .Values.multiNode.enabled -}}
@@ -104,6 +134,10 @@ Shutdown timing, all derived from server.drainSeconds (plus the preStop sleep):
 - --allow-metrics=true
 - --log-verbose={{ int .Values.server.logVerbose }}
 - --exit-timeout-secs={{ include "dflash-trt.exitTimeoutSeconds" . }}
+{{- if .Values.apiKey.secretName }}
+- --http-restricted-api={{ include "dflash-trt.apiKeyGroups" . }}:authorization=Bearer $(DFLASH_TRT_API_KEY)
+- --grpc-restricted-protocol={{ include "dflash-trt.apiKeyGroups" . }}:authorization=Bearer $(DFLASH_TRT_API_KEY)
+{{- end }}
 {{- range .Values.server.extraArgs }}
 - {{ . | quote }}
 {{- end }}

@@ -1,7 +1,8 @@
 {{/*
 The OpenAI-compatible front (docs/serving.md): a sidecar of the serving pod that runs
 `dflash-trt serve --triton-url 127.0.0.1:8001` and forwards /v1/completions and
-/v1/chat/completions to Triton over gRPC. Readiness is /health (Triton and the model ready),
+/v1/chat/completions to Triton over gRPC. With apiKey.secretName it reads the key from
+$DFLASH_TRT_API_KEY: clients send it as `Authorization: Bearer`, and it sends it to Triton. Readiness is /health (Triton and the model ready),
 liveness /health/live (the front itself). Included by dflash-trt.podTemplate when openai.enabled.
 */}}
 {{- define "dflash-trt.openaiContainer" -}}
@@ -31,6 +32,9 @@ liveness /health/live (the front itself). Included by dflash-trt.podTemplate whe
     {{- end }}
   env:
     {{- include "dflash-trt.commonEnv" . | nindent 4 }}
+    {{- if $v.apiKey.secretName }}
+    {{- include "dflash-trt.apiKeyEnv" . | nindent 4 }}
+    {{- end }}
   ports:
     - name: openai
       containerPort: {{ int $v.openai.port }}

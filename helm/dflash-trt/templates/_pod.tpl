@@ -70,6 +70,8 @@ spec:
     - name: model-init
       {{- if $v.modelInit.image.repository }}
       image: {{ include "dflash-trt.image" (dict "repository" $v.modelInit.image.repository "tag" ($v.modelInit.image.tag | default $v.image.tag) "digest" "") }}
+      {{- else if eq $v.modelInit.mode "build" }}
+      image: {{ include "dflash-trt.dflashImage" $root }}
       {{- else }}
       image: {{ include "dflash-trt.image" $v.image }}
       {{- end }}
@@ -212,6 +214,9 @@ spec:
       {{- end }}
       env:
         {{- include "dflash-trt.commonEnv" $root | nindent 8 }}
+        {{- if and (ne $role "worker") $v.apiKey.secretName }}
+        {{- include "dflash-trt.apiKeyEnv" $root | nindent 8 }}
+        {{- end }}
         {{- with $v.server.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

@@ -32,8 +32,9 @@ requests run on until the budget is spent, and whatever is left then ends with a
 error. Once nothing is in flight the model shuts its engine down and writes `drained` there;
 finalize() writes `finalized`.
 
-UNAVAILABLE messages start with "unavailable: " (a gRPC stream carries an error's message but not its
-code; the OpenAI front answers such errors 503).
+Every error message ends with a trailer naming its kind (and the field of a refused request), e.g.
+"... (error: UNAVAILABLE)": a gRPC stream carries an error's message but not its code, so the OpenAI
+front reads the trailer (dflash_trt/triton/kserve.py) and answers UNAVAILABLE with 503.
 
 Streaming: like NVIDIA's model, each streamed response carries the *accumulated* text by default;
 a request that sets `streaming_delta: true` gets only the new text in each response instead.
@@ -131,11 +132,22 @@ POLL_S = 0.25  # engine counters and liveness
 HEARTBEAT_S = 1.0
 DEAD_MARKER = "engine-dead"
 REPORT_DEAD_WITHIN_S = 2.0  # error responses go out before the marker asks for a restart
-UNAVAILABLE_PREFIX = "unavailable: "
 
 
 class RequestInputError(ValueError):
-    """A bad request: answered with INVALID_ARG (HTTP 400); the model keeps serving."""
+    """A bad request: answered with INVALID_ARG (HTTP 400); the model keeps serving. `field` names
+    the request field at fault (an input's name, or the engine's RequestError.field) when known."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# Every error response ends with this trailer: its kind and, for a refused request, the field at
+# fault. A gRPC stream error carries a message only and Triton's HTTP front answers every model
+# error with 400, so this is how clients (the OpenAI front: dflash_trt/triton/kserve.py,
+# parse_model_error) tell a bad request from a failure and name the field without reading prose.
+ERROR_TRAILER = " (error: {kind}{field})"
 
 
 class Unavailable(RuntimeError):
@@ -160,7 +172,7 @@ def _decode(value: Any, field: str) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestInputError(
-            f"{field} is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 text"
+            f"{field} is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 text", field=field
         ) from None
 
 
@@ -172,7 +184,8 @@ def _wire_int(value: Any, field: str) -> int:
         # value at the edge of the range most likely did not arrive as it was sent.
         raise RequestInputError(
             f"{field}={item}: outside the INT32 range of this input (over HTTP, Triton wraps JSON integers "
-            "beyond +-2147483647 silently); send a value within it"
+            "beyond +-2147483647 silently); send a value within it",
+            field=field,
         )
     return item
 
@@ -450,20 +463,23 @@ class TritonPythonModel:
         """text_input: exactly one string, its raw size bounded before it is decoded or tokenized."""
         raw = self._read(request, "text_input")
         if raw is None or raw.size == 0:
-            raise RequestInputError("text_input is required (a non-empty string)")
+            raise RequestInputError("text_input is required (a non-empty string)", field="text_input")
         if raw.size != 1:
-            raise RequestInputError(f"text_input must hold exactly one string, got {raw.size} elements")
+            raise RequestInputError(
+                f"text_input must hold exactly one string, got {raw.size} elements", field="text_input"
+            )
         first = raw.reshape(-1)[0]
         size = len(first) if isinstance(first, bytes) else len(str(first).encode("utf-8"))
         if size > self.max_prompt_bytes:
             raise RequestInputError(
                 f"text_input is {size} bytes, over the limit of {self.max_prompt_bytes} "
                 "(triton_config.max_prompt_bytes; default 32 bytes per token of max_seq_len); "
-                "shorten the prompt or raise the limit"
+                "shorten the prompt or raise the limit",
+                field="text_input",
             )
         prompt = _decode(first, "text_input")
         if not prompt:
-            raise RequestInputError("text_input is empty")
+            raise RequestInputError("text_input is empty", field="text_input")
         return prompt
 
     def _sampling_kwargs(self, request: Any) -> dict[str, Any]:
@@ -474,7 +490,7 @@ class TritonPythonModel:
             if value is None:
                 continue
             if field not in self.sampling_fields:
-                raise RequestInputError(f"{name} is not supported by engine {self.engine_kind}")
+                raise RequestInputError(f"{name} is not supported by engine {self.engine_kind}", field=name)
             flat = value.reshape(-1)
             if field in LIST_FIELDS:
                 kwargs[field] = [
@@ -484,7 +500,7 @@ class TritonPythonModel:
                 ]  # fmt: skip
                 continue
             if flat.size != 1:
-                raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}")
+                raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}", field=name)
             item = flat[0]
             if isinstance(item, bytes):
                 kwargs[field] = _decode(item, name)
@@ -501,11 +517,11 @@ class TritonPythonModel:
             if v is None:
                 continue
             if v.size != 1:
-                raise RequestInputError(f"{name} must hold exactly one value, got {v.size}")
+                raise RequestInputError(f"{name} must hold exactly one value, got {v.size}", field=name)
             flags[name] = bool(v.reshape(-1)[0])
         for name in UNSUPPORTED_INPUTS:
             if self._read(request, name) is not None:
-                raise RequestInputError(f"{name} is not supported (text-only model, no LoRA adapters)")
+                raise RequestInputError(f"{name} is not supported (text-only, no LoRA adapters)", field=name)
         if flags.get("return_cumulative_logprob"):
             raise RequestInputError(
                 "return_cumulative_logprob is not supported (no log-probabilities are computed)"
@@ -547,8 +563,8 @@ class TritonPythonModel:
         )
         try:
             return await self.loop.run_in_executor(self.pool, submit)
-        except ValueError as exc:
-            raise RequestInputError(str(exc)) from None
+        except ValueError as exc:  # RequestError (naming its field) or TensorRT-LLM's ValueError
+            raise RequestInputError(str(exc), field=getattr(exc, "field", None)) from None
 
     def _unavailable_reason(self) -> str | None:
         """Why no request can be served now (a dead engine, draining), or None."""
@@ -576,7 +592,7 @@ class TritonPythonModel:
                 return
             handle = await self._submit(parsed)
         except RequestInputError as exc:
-            self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG, field=exc.field)
             return
         except Unavailable as exc:
             self._send_unavailable(sender, str(exc))
@@ -729,12 +745,19 @@ class TritonPythonModel:
         handle.abort()
 
     def _send_unavailable(self, sender: Any, message: str) -> None:
-        self._send_error(sender, UNAVAILABLE_PREFIX + message, pb_utils.TritonError.UNAVAILABLE)
+        self._send_error(sender, message, pb_utils.TritonError.UNAVAILABLE)
 
-    def _send_error(self, sender: Any, message: str, code: Any) -> None:
+    def _send_error(self, sender: Any, message: str, code: Any, *, field: str | None = None) -> None:
+        kinds = {
+            getattr(pb_utils.TritonError, k): k
+            for k in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL")
+        }
+        text = message + ERROR_TRAILER.format(
+            kind=kinds.get(code, "UNKNOWN"), field=f", field: {field}" if field else ""
+        )
         try:
             sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code=code)),
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(text, code=code)),
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
             )
         except Exception as exc:  # the client may be gone

@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A scripted inference server: real protocols, an exact and known token schedule.
+"""A scripted inference server (a test double, not part of the package): real protocols, an exact
+and known token schedule.
+
+Run it from the repository root with `python -m tests.bench.scripted_server --help`; the benchmark
+tests start it in process (`tests/bench/conftest.py`, fixture `scripted`).
 
 It speaks the Triton HTTP `generate`/`generate_stream` contract of our `tensorrt_llm` model,
 the KServe v2 gRPC `ModelStreamInfer` service (Triton's protos from `tritonclient.grpc`), and the
@@ -24,6 +28,7 @@ unknown keys on as parameters, the scripted server is stricter on purpose).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -95,6 +100,12 @@ class Script:
     grpc_separate_final: bool = False  # gRPC: the final flag on a separate empty response
     max_tokens_datatype: str = "INT32"  # the declared dtype of sampling_param_max_tokens
     metrics_as_strings: bool = False  # NVIDIA's quirk: numeric outputs sent as BYTES strings
+    # Hold every schedule until this many requests have arrived (0 = off): a wave of N requests is
+    # then all in flight at once, whatever the load on the machine.
+    start_together: int = 0
+    # Hold the N-th request (1-based) and every later one until release_held() (0 = off): a test
+    # can interrupt a client while it certainly waits on the server.
+    hold_from: int = 0
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -103,6 +114,8 @@ class Script:
             raise ValueError("first_chunk_tokens and every tokens_per_chunk entry must be >= 1")
         if self.ttft_s < 0 or self.chunk_gap_s < 0:
             raise ValueError("ttft_s and chunk_gap_s must be >= 0")
+        if min(self.fail_every, self.start_together, self.hold_from, self.draft_len) < 0:
+            raise ValueError("fail_every, start_together, hold_from and draft_len must be >= 0")
 
     def declared_inputs(self) -> dict[str, str]:
         inputs = dict(_NVIDIA_INPUTS)
@@ -206,9 +219,17 @@ class ScriptedServer:
         self._grpc_server: Any = None
         self.http_url = ""
         self.grpc_url: str | None = None
+        self._gate: asyncio.Event | None = None  # set once start_together requests have arrived
+        self._held: asyncio.Event | None = None  # set by release_held()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._held = asyncio.Event()
+        self._gate = asyncio.Event()
+        if self.script.start_together <= 1:
+            self._gate.set()
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/v2", self._server_metadata)
         app.router.add_get("/v2/health/live", self._ok)
@@ -260,6 +281,8 @@ class ScriptedServer:
         self.log.active += 1
         self.log.peak_active = max(self.log.peak_active, self.log.active)
         self.log.requests.append({"protocol": protocol, **params})
+        if self._gate is not None and self.log.count >= self.script.start_together:
+            self._gate.set()
         return self.log.count
 
     def _release(self) -> None:
@@ -268,9 +291,22 @@ class ScriptedServer:
     def _fails(self, n: int) -> bool:
         return self.script.fail_every > 0 and n % self.script.fail_every == 0
 
-    async def _schedule(self, plan: Plan, t0: float, *, fail: bool) -> AsyncIterator[int]:
-        """Yield response indices at their scheduled times (absolute deadlines: no drift)."""
+    def release_held(self) -> None:
+        """Let held requests (Script.hold_from) go on, and stop holding. Thread-safe."""
+        assert self._loop is not None and self._held is not None
+        self._loop.call_soon_threadsafe(self._held.set)
+
+    async def _schedule(self, plan: Plan, t0: float, *, fail: bool, n: int) -> AsyncIterator[int]:
+        """Yield response indices at their scheduled times (absolute deadlines: no drift) for the
+        n-th request."""
         loop = asyncio.get_running_loop()
+        for wait, event in (
+            (self.script.hold_from and n >= self.script.hold_from, self._held),
+            (True, self._gate),
+        ):
+            if wait and event is not None and not event.is_set():
+                await event.wait()
+                t0 = loop.time()  # the schedule starts when the request is let go
         for i, offset in enumerate(plan.offsets_s):
             delay = t0 + offset - loop.time()
             if delay > 0:
@@ -379,9 +415,8 @@ class ScriptedServer:
         return web.Response(status=200 if request.match_info["model"] == self.model else 400)
 
     async def _triton_http(self, request: web.Request, *, stream: bool) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        arrival_ns = time.monotonic_ns()
+        arrival_ns = time.monotonic_ns()  # before t0: first_ns - arrival_ns is never below ttft_s
+        t0 = asyncio.get_running_loop().time()
         name = request.match_info["model"]
         if name != self.model:
             return self._unknown_model(name)
@@ -402,7 +437,7 @@ class ScriptedServer:
             first_ns = 0
             if not streaming:
                 try:
-                    async for _ in self._schedule(plan, t0, fail=fail):
+                    async for _ in self._schedule(plan, t0, fail=fail, n=n):
                         first_ns = first_ns or time.monotonic_ns()
                 except _RequestFailed as exc:
                     return web.json_response({"error": str(exc)}, status=500)
@@ -425,7 +460,7 @@ class ScriptedServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             try:
-                async for i in self._schedule(plan, t0, fail=fail):
+                async for i in self._schedule(plan, t0, fail=fail, n=n):
                     now_ns = time.monotonic_ns()
                     first_ns = first_ns or now_ns
                     outputs = self._triton_outputs(
@@ -456,112 +491,129 @@ class ScriptedServer:
         return await self._openai(request, chat=True)
 
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = asyncio.get_running_loop().time()
         body = await request.json()
         if body.get("model") != self.model:
             return web.json_response(
                 {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}},
                 status=404,
             )
-        if chat:
-            messages = body.get("messages") or []
-            prompt_tokens = sum(len(str(m.get("content", "")).encode()) for m in messages)
-        else:
-            prompt_tokens = len(str(body.get("prompt", "")).encode())
         n = self._admit("openai-chat" if chat else "openai-completions", body)
         try:
             fail = self._fails(n)
             if fail and not self.script.fail_midstream:
                 return web.json_response({"error": {"message": "scripted failure", "code": 500}}, status=500)
+            reply = _OpenAIReply(self, body, chat=chat, n=n)
             plan = plan_request(
                 self.script,
                 max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
                 ignore_eos=bool(body.get("ignore_eos", False)),
                 min_tokens=int(body.get("min_tokens", 0) or 0),
             )
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{n}"
-            opts = body.get("stream_options") or {}
-            usage_on = self.script.openai_usage and bool(opts.get("include_usage"))
-            continuous = usage_on and bool(opts.get("continuous_usage_stats"))
-
-            def usage(done: int) -> dict[str, int]:
-                return {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": done,
-                    "total_tokens": prompt_tokens + done,
-                }
-
-            def finish(done: int) -> str:
-                return "length" if done >= int(body.get("max_tokens") or 16) else "stop"
-
             if not body.get("stream"):
-                try:
-                    async for _ in self._schedule(plan, t0, fail=fail):
-                        pass
-                except _RequestFailed as exc:
-                    return web.json_response({"error": {"message": str(exc), "code": 500}}, status=500)
-                done = plan.num_output_tokens
-                text = token_text(0, done)
-                choice: dict[str, Any] = {"index": 0, "finish_reason": finish(done)}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": text}
-                else:
-                    choice["text"] = text
-                return web.json_response(
-                    {
-                        "id": rid,
-                        "object": obj.replace(".chunk", ""),
-                        "choices": [choice],
-                        "usage": usage(done),
-                    }
-                )
-
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-
-            async def send(payload: dict[str, Any]) -> None:
-                await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-            if chat:  # the role-only first chunk carries no token
-                first: dict[str, Any] = {
-                    "id": rid,
-                    "object": obj,
-                    "model": self.model,
-                    "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                    ],
-                }
-                if continuous:
-                    first["usage"] = usage(0)
-                await send(first)
-            try:
-                done = 0
-                async for i in self._schedule(plan, t0, fail=fail):
-                    piece = token_text(done, plan.chunks[i])
-                    done += plan.chunks[i]
-                    last = i == len(plan.chunks) - 1
-                    c: dict[str, Any] = {"index": 0, "finish_reason": finish(done) if last else None}
-                    if chat:
-                        c["delta"] = {"content": piece}
-                    else:
-                        c["text"] = piece
-                    payload: dict[str, Any] = {"id": rid, "object": obj, "model": self.model, "choices": [c]}
-                    if continuous:
-                        payload["usage"] = usage(done)
-                    await send(payload)
-                if usage_on:
-                    await send(
-                        {"id": rid, "object": obj, "model": self.model, "choices": [], "usage": usage(done)}
-                    )
-                await resp.write(b"data: [DONE]\n\n")
-            except _RequestFailed as exc:
-                await send({"error": {"message": str(exc), "code": 500}})
-            await resp.write_eof()
-            return resp
+                return await self._openai_whole(reply, plan, t0, fail=fail)
+            return await self._openai_stream(request, reply, plan, t0, fail=fail)
         finally:
             self._release()
+
+    async def _openai_whole(self, reply: _OpenAIReply, plan: Plan, t0: float, *, fail: bool) -> web.Response:
+        """A non-streamed answer: everything at the time of the last chunk."""
+        try:
+            async for _ in self._schedule(plan, t0, fail=fail, n=reply.n):
+                pass
+        except _RequestFailed as exc:
+            return web.json_response({"error": {"message": str(exc), "code": 500}}, status=500)
+        return web.json_response(reply.whole(plan.num_output_tokens))
+
+    async def _openai_stream(
+        self, request: web.Request, reply: _OpenAIReply, plan: Plan, t0: float, *, fail: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(payload: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        if reply.chat:  # the role-only first chunk carries no token
+            await send(reply.role_chunk())
+        try:
+            done = 0
+            async for i in self._schedule(plan, t0, fail=fail, n=reply.n):
+                done += plan.chunks[i]
+                await send(reply.chunk(done - plan.chunks[i], done, last=i == len(plan.chunks) - 1))
+            if reply.usage_on:
+                await send(reply.usage_chunk(done))
+            await resp.write(b"data: [DONE]\n\n")
+        except _RequestFailed as exc:
+            await send({"error": {"message": str(exc), "code": 500}})
+        await resp.write_eof()
+        return resp
+
+
+class _OpenAIReply:
+    """The OpenAI bodies of one request: ids, usage (as stream_options asks) and finish reasons."""
+
+    def __init__(self, server: ScriptedServer, body: dict[str, Any], *, chat: bool, n: int) -> None:
+        self.model = server.model
+        self.n = n  # the request's number at the server (1-based)
+        self.chat = chat
+        self.max_tokens = int(body.get("max_tokens") or 16)
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{n}"
+        opts = body.get("stream_options") or {}
+        self.usage_on = server.script.openai_usage and bool(opts.get("include_usage"))
+        self.continuous = self.usage_on and bool(opts.get("continuous_usage_stats"))
+        if chat:
+            self.prompt_tokens = sum(
+                len(str(m.get("content", "")).encode()) for m in body.get("messages") or []
+            )
+        else:
+            self.prompt_tokens = len(str(body.get("prompt", "")).encode())
+
+    def usage(self, done: int) -> dict[str, int]:
+        p = self.prompt_tokens
+        return {"prompt_tokens": p, "completion_tokens": done, "total_tokens": p + done}
+
+    def finish(self, done: int) -> str:
+        return "length" if done >= self.max_tokens else "stop"
+
+    def whole(self, done: int) -> dict[str, Any]:
+        text = token_text(0, done)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish(done)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        obj = self.obj.replace(".chunk", "")
+        return {"id": self.rid, "object": obj, "choices": [choice], "usage": self.usage(done)}
+
+    def _payload(self, choices: list[dict[str, Any]], done: int | None) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "id": self.rid,
+            "object": self.obj,
+            "model": self.model,
+            "choices": choices,
+        }
+        if done is not None:
+            payload["usage"] = self.usage(done)
+        return payload
+
+    def role_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return self._payload([choice], 0 if self.continuous else None)
+
+    def chunk(self, start: int, done: int, *, last: bool) -> dict[str, Any]:
+        """Tokens start..done-1 as one streamed chunk."""
+        piece = token_text(start, done - start)
+        c: dict[str, Any] = {"index": 0, "finish_reason": self.finish(done) if last else None}
+        if self.chat:
+            c["delta"] = {"content": piece}
+        else:
+            c["text"] = piece
+        return self._payload([c], done if self.continuous else None)
+
+    def usage_chunk(self, done: int) -> dict[str, Any]:
+        return self._payload([], done)
 
 
 def _text(value: Any) -> str:
@@ -640,9 +692,8 @@ class _GrpcService:
 
     async def _one(self, request: Any, queue: asyncio.Queue[Any]) -> None:
         server = self.server
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        arrival_ns = time.monotonic_ns()
+        arrival_ns = time.monotonic_ns()  # before t0: first_ns - arrival_ns is never below ttft_s
+        t0 = asyncio.get_running_loop().time()
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param
         if request.model_name != server.model:
             await queue.put(
@@ -668,7 +719,7 @@ class _GrpcService:
             first_ns = 0
             try:
                 last = len(plan.chunks) - 1
-                async for i in server._schedule(plan, t0, fail=fail):
+                async for i in server._schedule(plan, t0, fail=fail, n=n):
                     now_ns = time.monotonic_ns()
                     first_ns = first_ns or now_ns
                     if not streaming and i < last:
@@ -746,3 +797,55 @@ async def run_until_cancelled(server: ScriptedServer, *, announce: bool = True) 
         await asyncio.Event().wait()
     finally:
         await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tests.bench.scripted_server` (from the repository root): serve until Ctrl-C and
+    print {"http_url", "grpc_url"} on stdout."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.scripted_server", description=main.__doc__)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
+    ap.add_argument("--grpc-port", type=int, default=0, help="gRPC port (0 = any free port, -1 = no gRPC)")
+    ap.add_argument("--model", default="tensorrt_llm")
+    ap.add_argument("--ttft", type=float, default=0.05, help="seconds to the first chunk")
+    ap.add_argument("--chunk-gap", type=float, default=0.02, help="seconds between chunks")
+    ap.add_argument("--first-chunk-tokens", type=int, default=1)
+    ap.add_argument("--tokens-per-chunk", default="4", help="tokens per later chunk (a comma list is cycled)")
+    ap.add_argument("--draft-len", type=int, default=7, help="drafted tokens per round (block_size - 1)")
+    ap.add_argument(
+        "--natural-output-tokens", type=int, help="stop after this many unless ignore_eos/min_tokens"
+    )
+    ap.add_argument(
+        "--flavor", choices=FLAVORS, default="dflash", help="our model's I/O, or NVIDIA's llmapi model's"
+    )
+    ap.add_argument("--fail-every", type=int, default=0, help="every N-th request fails (0 = never)")
+    ap.add_argument(
+        "--start-together", type=int, default=0, help="hold first chunks until this many requests are in"
+    )
+    args = ap.parse_args(argv)
+    try:
+        script = Script(
+            ttft_s=args.ttft,
+            chunk_gap_s=args.chunk_gap,
+            first_chunk_tokens=args.first_chunk_tokens,
+            tokens_per_chunk=tuple(int(k) for k in args.tokens_per_chunk.split(",")),
+            draft_len=args.draft_len,
+            natural_output_tokens=args.natural_output_tokens,
+            flavor=args.flavor,
+            fail_every=args.fail_every,
+            start_together=args.start_together,
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    grpc_port = None if args.grpc_port < 0 else args.grpc_port
+    server = ScriptedServer(
+        script, model=args.model, host=args.host, http_port=args.port, grpc_port=grpc_port
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_until_cancelled(server))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The chart README's values table, generated from values.schema.json and values.yaml.
+"""The chart README's values table, generated from values.schema.json and values.yaml (a test
+helper: `pytest tests/helm --update-helm-goldens` rewrites the table).
 
 The schema is the single source of descriptions: values.yaml repeats them as `# --` comments
 and the README table is rendered from them; tests fail when either drifts.
