@@ -58,7 +58,6 @@ _ACCEPTED_NOOP = {
 # one thread vs 140 on two; on a busy machine two threads were ~30x slower.
 SINGLE_THREAD_BELOW_HIDDEN = 1024
 DEFAULT_WEDGE_TIMEOUT_S = 60.0  # a step that makes no progress this long with work pending is a wedge
-COMPILE_ENV = "DFLASH_TRT_COMPILE"  # "0": eager rounds by default (tests that start many engines)
 
 
 def cpu_threads_for(hidden_size: int, requested: int | None) -> int | None:
@@ -507,7 +506,7 @@ def _check_wedge_timeout(value: float | None) -> None:
 def _compile_wanted(requested: bool | None, device: Any, cache_root: str | None) -> bool:
     """compile=None (the default) compiles where torch.compile can run, unless $DFLASH_TRT_COMPILE=0;
     compile=True where it cannot warns and serves eagerly. Points the compile cache at its root."""
-    from dflash_trt.engine.compile import unsupported_reason, use_cache_root
+    from dflash_trt.engine.compile import COMPILE_ENV, unsupported_reason, use_cache_root
 
     if requested is None:
         requested = os.environ.get(COMPILE_ENV, "1") != "0"
@@ -525,8 +524,12 @@ def _warm_up_compiled(engine: Any) -> None:
     """Compile before traffic; a failed compilation falls back to eager rounds with a warning."""
     import torch
 
+    log.info(
+        "compiling the round (greedy and sampled, batch 1 and 2+): minutes when the compile cache is cold"
+    )
     try:
         log.info("compiled rounds ready in %.1f s", engine.warm_up())
+        engine.runner.freeze_compiled()  # a shape class not seen in warm-up runs eagerly, never stalls
     except Exception as exc:  # any compiler failure: serving eagerly beats not serving
         log.warning(
             "compiling the round failed (%s: %s); serving with eager rounds",

@@ -22,15 +22,16 @@ import platform
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from dflash_trt.utils.device import cpu_flags
+if TYPE_CHECKING:  # torch is imported where it is used: `serve` reads the names below without it
+    import torch
 
 log = logging.getLogger(__name__)
 
+COMPILE_ENV = "DFLASH_TRT_COMPILE"  # "0": eager rounds by default (tests that start many engines)
 CACHE_ENV = "DFLASH_TRT_COMPILE_CACHE"  # the cache root
+BUNDLE_CACHE_DIR = "compile-cache"  # `serve`'s cache root inside a writable bundle
 DEFAULT_CACHE_ROOT = Path("~/.cache/dflash-trt/compile")
 
 
@@ -56,6 +57,10 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 def machine_key(device: torch.device) -> str:
     """torch version + what the generated code depends on: the CPU's vector ISA, or the GPU model."""
+    import torch
+
+    from dflash_trt.utils.device import cpu_flags
+
     if device.type == "cuda":
         kind = torch.cuda.get_device_name(device).replace(" ", "-")
     else:
@@ -87,6 +92,7 @@ def compile_round(fn: Callable[..., Any], device: torch.device) -> Callable[...,
     Batch size 1 would otherwise get a graph of its own (torch specialises sizes of 0 and 1 by
     default): size-oblivious shapes keep it symbolic, so one graph serves every batch size. The flag
     is process-wide and only affects how later compilations treat sizes of 1."""
+    import torch
     import torch.fx.experimental._config as fx_config
 
     fx_config.backed_size_oblivious = os.environ.get("OBL", "1") == "1"

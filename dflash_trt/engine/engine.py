@@ -270,14 +270,21 @@ class LLMEngine:
         t0 = time.perf_counter()
         new_tokens = min(3 * PAGE_SIZE, self.config.max_seq_len - 2)
         sampled = RequestParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, seed=0)
-        for params in (RequestParams(max_tokens=new_tokens, ignore_eos=True), sampled):
-            for bs in batch_sizes:
-                if bs > self.config.max_batch_size or new_tokens < 1:
-                    continue
-                for i in range(bs):
-                    self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, params)
-                while self.has_work():
-                    self.step()
+        variants = [
+            (mode, bs, params)
+            for mode, params in (("greedy", RequestParams(max_tokens=new_tokens, ignore_eos=True)), ("sampled", sampled))
+            for bs in batch_sizes
+            if bs <= self.config.max_batch_size and new_tokens >= 1
+        ]  # fmt: skip
+        for n, (mode, bs, params) in enumerate(variants, 1):
+            t1 = time.perf_counter()
+            for i in range(bs):
+                self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, params)
+            while self.has_work():
+                self.step()
+            log.info(
+                "warm-up %d/%d (%s, batch %d): %.1f s", n, len(variants), mode, bs, time.perf_counter() - t1
+            )
         return time.perf_counter() - t0
 
     # --- the step (engine thread) -----------------------------------------------------------------

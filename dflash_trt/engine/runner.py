@@ -19,6 +19,7 @@ Padding rows point at page 0, which no sequence owns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -178,6 +179,7 @@ class ModelRunner:
             self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
         self._round_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._round_core
         self.compiled = False
+        self._no_recompile = False
         if compile:
             self.enable_compile()
 
@@ -188,11 +190,18 @@ class ModelRunner:
 
         self._round_fn = compile_round(self._round_core, self.device)
         self.compiled = True
+        self._no_recompile = False
+
+    def freeze_compiled(self) -> None:
+        """From now on a round of a shape class no graph covers runs eagerly instead of compiling:
+        a compilation takes minutes on a small CPU, and serving must never stall for one (nor trip
+        the engine's wedge watchdog). `LLMEngine.warm_up` compiles the usual classes first."""
+        self._no_recompile = True
 
     def disable_compile(self) -> None:
         """Back to eager rounds (after a failed compilation)."""
         self._round_fn = self._round_core
-        self.compiled = False
+        self.compiled = self._no_recompile = False
 
     # ------------------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -318,21 +327,23 @@ class ModelRunner:
         rows = torch.tensor([p[:width] + [0] * (width - min(width, len(p))) for p in tables], device=dev)
         if self.compiled:  # the page width grows with the context: one graph for every width
             torch._dynamo.mark_dynamic(rows, 1)
-        return self._round_fn(
-            t["anchors"],
-            t["starts"],
-            t["block_lens"],
-            rows,
-            t["num_pending"],
-            t["rows"],
-            t["seeds"],
-            t["temps"].float(),
-            t["top_k"],
-            t["top_p"].float(),
-            t["greedy_draft"],
-            g=g,
-            flags=flags,
-        )
+        stance = "eager_on_recompile" if self._no_recompile else "default"
+        with torch.compiler.set_stance(stance) if self.compiled else contextlib.nullcontext():
+            return self._round_fn(
+                t["anchors"],
+                t["starts"],
+                t["block_lens"],
+                rows,
+                t["num_pending"],
+                t["rows"],
+                t["seeds"],
+                t["temps"].float(),
+                t["top_k"],
+                t["top_p"].float(),
+                t["greedy_draft"],
+                g=g,
+                flags=flags,
+            )
 
     def _round_core(
         self,
