@@ -18,7 +18,6 @@ import yaml
 from dflash_trt.cli import main
 from dflash_trt.errors import ConfigError
 from dflash_trt.spec.decoding_config import MAX_TREE_BUDGET, DFlashDecodingConfig, parse_tree_budget
-from tests.test_cli_generate import run
 
 SPEC = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": "tiny"}
 REFUSED = r"tree_budget=16: DDTree verification is not in the embedded engine yet"
@@ -87,7 +86,7 @@ def tree_bundle(tmp_path_factory):
     return out
 
 
-def test_build_writes_the_budget_into_the_torch_bundle(tree_bundle, capsys):
+def test_build_writes_the_budget_into_the_torch_bundle(tree_bundle, cli):
     manifest = json.loads((tree_bundle / "manifest.json").read_text())
     assert manifest["speculative"]["tree_budget"] == 32 and manifest["inputs"]["tree_budget"] == "32"
     llm_api = yaml.safe_load((tree_bundle / "engine" / "llm_api.yaml").read_text())
@@ -95,18 +94,14 @@ def test_build_writes_the_budget_into_the_torch_bundle(tree_bundle, capsys):
     model_yaml = yaml.safe_load((tree_bundle / "model_repository/tensorrt_llm/1/model.yaml").read_text())
     assert model_yaml["speculative_config"]["tree_budget"] == 32
     # no budget (or 0): the bundle is exactly the linear one
-    code, out_json, err = run(
-        ["build", "--target", "tiny", "--tree-budget", "0", "--dry-run", "--json"], capsys
-    )
+    code, out_json, err = cli(["build", "--target", "tiny", "--tree-budget", "0", "--dry-run", "--json"])
     assert code == 0, err
     plan = json.loads(out_json)
     assert (
         "tree_budget" not in plan["llm_api"]["speculative_config"]
         and "tree_budget" not in plan["speculative"]
     )
-    code, out_json, err = run(
-        ["build", "--target", "tiny", "--tree-budget", "auto", "--dry-run", "--json"], capsys
-    )
+    code, out_json, err = cli(["build", "--target", "tiny", "--tree-budget", "auto", "--dry-run", "--json"])
     assert code == 0, err
     assert json.loads(out_json)["llm_api"]["speculative_config"]["tree_budget"] == "auto"
 
@@ -127,36 +122,36 @@ def test_serve_hands_the_budget_to_the_engine_through_the_triton_model(tree_bund
     assert "tree_budget=32: DDTree verification is not in the embedded engine yet" in proc.stderr
 
 
-def test_build_refuses_a_tree_for_trtllm_before_reading_configs(capsys):
+def test_build_refuses_a_tree_for_trtllm_before_reading_configs(cli):
     # the target does not exist: a refusal after config resolution would complain about it instead
-    code, out, err = run(["build", "--target", "no-such/model", "--gpu", "h100", "--tree-budget", "16",
-                          "--dry-run"], capsys)  # fmt: skip
+    code, out, err = cli(["build", "--target", "no-such/model", "--gpu", "h100", "--tree-budget", "16",
+                          "--dry-run"])  # fmt: skip
     assert code == 2 and out == ""
     assert "TensorRT-LLM has no DFlash tree verification" in err and "--backend torch" in err
     assert err.count("\n") == 1
-    code, _, err = run(["build", "--target", "tiny", "--tree-budget", "-3", "--dry-run"], capsys)
+    code, _, err = cli(["build", "--target", "tiny", "--tree-budget", "-3", "--dry-run"])
     assert code == 2 and "--tree-budget='-3': must be an integer in [0, 1024] or 'auto'" in err
 
 
-def test_generate_reference_tree_and_the_embedded_refusal(capsys):
+def test_generate_reference_tree_and_the_embedded_refusal(cli):
     base = ["generate", "--target", "tiny", "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--ignore-eos",
             "--json", "--engine", "reference"]  # fmt: skip
-    code, linear, err = run([*base, "--tree-budget", "0"], capsys)
+    code, linear, err = cli([*base, "--tree-budget", "0"])
     assert code == 0, err
-    code, tree, err = run([*base, "--tree-budget", "16"], capsys)
+    code, tree, err = cli([*base, "--tree-budget", "16"])
     assert code == 0, err
     a, b = json.loads(linear), json.loads(tree)
     assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
     assert b["mean_acceptance_length"] >= 1
-    code, _, err = run([*base[:-2], "--engine", "embedded", "--tree-budget", "16"], capsys)
+    code, _, err = cli([*base[:-2], "--engine", "embedded", "--tree-budget", "16"])
     assert code == 2 and re.search(REFUSED, err), err
-    code, _, err = run([*base, "--no-draft", "--tree-budget", "4"], capsys)
+    code, _, err = cli([*base, "--no-draft", "--tree-budget", "4"])
     assert code == 2 and "needs a drafter" in err
 
 
-def test_bench_engine_option_reaches_the_engine(capsys):
-    code, _, err = run(["bench", "engine", "--modes", "dflash", "--batch-sizes", "1", "--max-tokens", "4",
-                        "--tree-budget", "16"], capsys)  # fmt: skip
+def test_bench_engine_option_reaches_the_engine(cli):
+    code, _, err = cli(["bench", "engine", "--modes", "dflash", "--batch-sizes", "1", "--max-tokens", "4",
+                        "--tree-budget", "16"])  # fmt: skip
     assert code == 2 and re.search(REFUSED, err), err
-    code, _, err = run(["bench", "engine", "--modes", "dflash", "--tree-budget", "lots"], capsys)
+    code, _, err = cli(["bench", "engine", "--modes", "dflash", "--tree-budget", "lots"])
     assert code == 2 and "tree_budget='lots'" in err

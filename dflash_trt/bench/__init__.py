@@ -9,7 +9,7 @@ Modules (import the one you need; nothing heavy is imported here):
 - `sweep`: closed-loop concurrency and open-loop Poisson sweeps, resumable point by point.
 - `pareto`, `compare`, `plot`: frontiers, A/B comparison at matched interactivity, charts.
 - `engine_bench`: the offline embedded-engine benchmark (plain decoding vs DFlash across batch sizes).
-(The scripted protocol peer used by tests and the client-overhead benchmark is `dflash_trt.testing.scripted_server`.)
+(The scripted protocol peer used by tests and `bench/client_overhead.py` is a test double: `tests/bench/scripted_server.py`.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from tests.build.test_build import _pair_dirs, run
+from tests.build.test_build import _pair_dirs
 
 CUSTOM = {
     "AutoConfig": "configuration_acme.AcmeConfig",
@@ -14,14 +14,14 @@ CUSTOM = {
 }
 
 
-def _plan(args: list[str], capsys) -> dict:
-    code, out, err = run(["build", *args, "--dry-run", "--json"], capsys)
+def _plan(args: list[str], cli) -> dict:
+    code, out, err = cli(["build", *args, "--dry-run", "--json"])
     assert code == 0, err
     return json.loads(out)
 
 
-def test_published_pairs_do_not_trust_remote_code(capsys) -> None:
-    plan = _plan(["--target", "gpt-oss-120b", "--gpu", "b200", "--tp", "8"], capsys)
+def test_published_pairs_do_not_trust_remote_code(cli) -> None:
+    plan = _plan(["--target", "gpt-oss-120b", "--gpu", "b200", "--tp", "8"], cli)
     assert "trust_remote_code" not in plan["llm_api"]
     (note,) = [n for n in plan["notes"] if "trust_remote_code" in n]
     # the z-lab drafter maps AutoModel to dflash.DFlashDraftModel; its model type is qwen3
@@ -36,10 +36,10 @@ def _custom_target(tmp_path, auto_map: dict, model_type: str):
     return tdir, ddir
 
 
-def test_a_model_type_transformers_lacks_needs_its_code_and_the_flag_refuses_it(tmp_path, capsys) -> None:
+def test_a_model_type_transformers_lacks_needs_its_code_and_the_flag_refuses_it(tmp_path, cli) -> None:
     tdir, ddir = _custom_target(tmp_path, CUSTOM, "acme_lm")
     args = ["--target", str(tdir), "--drafter", str(ddir), "--backend", "trtllm", "--gpu", "h100"]
-    plan = _plan(args, capsys)
+    plan = _plan(args, cli)
     assert plan["llm_api"]["trust_remote_code"] is True
     (note,) = [n for n in plan["notes"] if "trust_remote_code" in n]
     assert f"target {tdir.resolve()}: config.json maps AutoConfig -> configuration_acme.AcmeConfig" in note
@@ -49,16 +49,16 @@ def test_a_model_type_transformers_lacks_needs_its_code_and_the_flag_refuses_it(
     )
     assert "AutoModelForCausalLM" not in note  # TensorRT-LLM builds the model with its own classes
 
-    code, out, err = run(["build", *args, "--no-remote-code", "--dry-run"], capsys)
+    code, out, err = cli(["build", *args, "--no-remote-code", "--dry-run"])
     assert code == 2 and out == "", err
     assert err.startswith("error: --no-remote-code: target ") and "fix: review that code" in err
     assert len(err.strip().splitlines()) == 1
 
 
-def test_an_auto_map_on_a_native_model_type_is_not_trusted(tmp_path, capsys) -> None:
+def test_an_auto_map_on_a_native_model_type_is_not_trusted(tmp_path, cli) -> None:
     tdir, ddir = _custom_target(tmp_path, CUSTOM, "qwen3")
     args = ["--target", str(tdir), "--drafter", str(ddir), "--backend", "trtllm", "--gpu", "h100"]
-    plan = _plan([*args, "--no-remote-code"], capsys)
+    plan = _plan([*args, "--no-remote-code"], cli)
     assert "trust_remote_code" not in plan["llm_api"] and plan["inputs"]["no_remote_code"] is True
     (note,) = [n for n in plan["notes"] if "trust_remote_code" in n]
     assert f"target {tdir.resolve()} (model_type='qwen3')" in note
