@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Compiled rounds: when torch.compile can run here, its options, and where its artifacts live.
 
-On CPU the round is compiled by inductor with its C++ wrapper: the whole round (both models, the
-sampling and the acceptance) becomes one C++ function whose kernels are called without Python in
-between, and which runs without the GIL (so the serving threads of the same process keep running).
-Shapes are dynamic (batch, context pages), so one graph serves every batch size above one, one more
-serves batch 1 (torch specialises sizes of 1), per draft length and sampling mode.
+The whole round (both models, the sampling and the acceptance) goes through inductor as one graph:
+on CPU its elementwise work becomes fused C++ loops and the GEMMs stay MKL/oneDNN calls, which
+removes most of the per-operator cost that dominates small models. Shapes are dynamic (batch,
+context pages): one graph per sampling mode serves every batch size (batch 1 usually gets one of
+its own). `LLMEngine.warm_up` compiles greedy and sampled rounds at batch 1 and 2 before traffic;
+after it, a shape class without a graph runs eagerly rather than stalling serving to compile
+(`ModelRunner.freeze_compiled`). Requests with top-k/top-p filtering are such a class today.
 
 Artifacts (inductor's FX-graph and kernel caches) go to one directory per torch version and CPU/GPU
 kind, under a root that `serve` points at the bundle (`<bundle>/compile-cache`, shared by every pod
@@ -76,9 +78,13 @@ def machine_key(device: torch.device) -> str:
 
 def use_cache_root(root: str | os.PathLike[str] | None, device: torch.device) -> Path:
     """Point inductor's caches at <root>/<machine key> (root: the argument, $DFLASH_TRT_COMPILE_CACHE,
-    or ~/.cache/dflash-trt/compile) unless TORCHINDUCTOR_CACHE_DIR is already set. Returns the directory."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    or ~/.cache/dflash-trt/compile) unless the user set TORCHINDUCTOR_CACHE_DIR (torch writes its own
+    default there on first use: that one is replaced). Returns the directory."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    preset = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if preset and os.path.abspath(preset) != os.path.abspath(default_cache_dir()):
+        return Path(preset)
     base = Path(root or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
     directory = base / machine_key(device)
     directory.mkdir(parents=True, exist_ok=True)

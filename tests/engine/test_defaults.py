@@ -65,7 +65,9 @@ def test_the_llm_loads_the_checkpoint_dtype_by_the_policy(monkeypatch) -> None:
 def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tmp_path, caplog) -> None:
     from dflash_trt.api.llm import _compile_wanted
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's own: ours replaces it
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "0")
     assert _compile_wanted(None, CPU, str(tmp_path)) is False  # opted out
     monkeypatch.delenv(compile_mod.COMPILE_ENV)
@@ -78,6 +80,8 @@ def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tm
         assert _compile_wanted(True, CPU, str(tmp_path)) is False  # asked for, impossible: eager
     assert "compiled rounds are off: no C++ compiler on PATH" in caplog.text
     assert _compile_wanted(False, CPU, str(tmp_path)) is False
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept
+    assert compile_mod.use_cache_root(tmp_path / "other", CPU) == tmp_path / "mine"
 
 
 def test_no_compiler_is_a_reason_not_to_compile(monkeypatch) -> None:
