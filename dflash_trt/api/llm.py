@@ -120,27 +120,14 @@ class LLM:
     ) -> None:
         _check_accepted_noops(kwargs)
         _check_wedge_timeout(wedge_timeout_s)
-        import torch
-
-        from dflash_trt.engine.engine import LLMEngine
         from dflash_trt.models.checkpoint import read_json
-        from dflash_trt.models.sources import default_stop_token_ids
         from dflash_trt.models.target_config import parse_target_config
-        from dflash_trt.spec.decoding_config import DFlashDecodingConfig
         from dflash_trt.utils.device import DTYPES, resolve_device, resolve_dtype
 
         self.device = resolve_device(None if device == "auto" else device)
         # First: later imports (the tokenizer's) fix inductor's cache directory when they load inductor.
         compile = _compile_wanted(compile, self.device, compile_cache)
-        spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
-        if spec is not None and spec.uses_tree:  # before any weights load
-            raise ConfigError(
-                "speculative_config.tree_budget",
-                spec.tree_budget,
-                "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
-                hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
-                "dflash-trt generate --engine reference --tree-budget 32",
-            )
+        spec = _speculative(speculative_config)
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
         self.drafter_dir = models.drafter_dir if spec is not None else None
@@ -148,11 +135,9 @@ class LLM:
         tcfg = parse_target_config(read_json(models.target_dir / "config.json", what="target config"))
         if max_seq_len is None:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
+        checkpoint_dtype = DTYPES.get(tcfg.checkpoint_dtype or "")
         self.dtype = resolve_dtype(
-            dtype,
-            self.device,
-            checkpoint_dtype=DTYPES.get(tcfg.checkpoint_dtype or ""),
-            hidden_size=tcfg.hidden_size,
+            dtype, self.device, checkpoint_dtype=checkpoint_dtype, hidden_size=tcfg.hidden_size
         )
         self.cpu_threads = _set_cpu_threads(self.device, tcfg.hidden_size, cpu_threads)
         self.engine_config = _engine_config(
@@ -166,23 +151,7 @@ class LLM:
             use_plugins=use_plugins,
             compile=compile,
         )
-        with torch.inference_mode():
-            self.engine = LLMEngine(
-                target_dir=models.target_dir,
-                drafter_dir=self.drafter_dir,
-                spec=spec,
-                tokenizer=self.tokenizer,
-                config=self.engine_config,
-                device=self.device,
-                dtype=self.dtype,
-                eos_token_ids=tuple(default_stop_token_ids(models.target_dir, self.tokenizer)),
-            )
-            if compile:  # compile before the first request, not inside it
-                _warm_up_compiled(self.engine)
-        # Everything allocated so far (modules, the tokenizer, compiled code) lives as long as the LLM:
-        # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.
-        gc.collect()
-        gc.freeze()
+        self.engine = self._load_engine(models.target_dir, spec, compile=compile)
         self.speculative_config = spec
         self.args = {
             "model": str(model),
@@ -191,13 +160,34 @@ class LLM:
             "max_seq_len": max_seq_len,
             "speculative_config": spec.to_dict() if spec else None,
         }
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, Any] = {}
-        self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
-        warm = self.engine.stats()
-        self._rounds_seen = (warm["rounds"], warm["round_s"])  # warm-up rounds are not reported
-        self._t0 = time.perf_counter()
         self._start_threads(wedge_timeout_s)
+
+    def _load_engine(self, target_dir: Path, spec: Any, *, compile: bool) -> Any:
+        """The engine on the resolved models (compiled and warmed up when `compile`), with everything
+        loaded so far frozen out of the cyclic garbage collector."""
+        import torch
+
+        from dflash_trt.engine.engine import LLMEngine
+        from dflash_trt.models.sources import default_stop_token_ids
+
+        with torch.inference_mode():
+            engine = LLMEngine(
+                target_dir=target_dir,
+                drafter_dir=self.drafter_dir,
+                spec=spec,
+                tokenizer=self.tokenizer,
+                config=self.engine_config,
+                device=self.device,
+                dtype=self.dtype,
+                eos_token_ids=tuple(default_stop_token_ids(target_dir, self.tokenizer)),
+            )
+            if compile:  # compile before the first request, not inside it
+                _warm_up_compiled(engine)
+        # Everything allocated so far (modules, the tokenizer, compiled code) lives as long as the LLM:
+        # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.
+        gc.collect()
+        gc.freeze()
+        return engine
 
     # --- public ------------------------------------------------------------------------------------
     def generate(
@@ -326,7 +316,15 @@ class LLM:
 
     # --- the engine thread and its watchdog ------------------------------------------------------------
     def _start_threads(self, wedge_timeout_s: float | None) -> None:
+        """The counters the engine thread publishes, then the engine thread and its watchdog."""
         from dflash_trt.engine.faults import fault_from_env, with_fault
+
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, Any] = {}
+        self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
+        warm = self.engine.stats()
+        self._rounds_seen = (warm["rounds"], warm["round_s"])  # warm-up rounds are not reported
+        self._t0 = time.perf_counter()
 
         self._submit_lock = threading.Lock()  # orders submissions against shutdown and death
         self._wake = threading.Event()  # set when the engine may have new work
@@ -539,6 +537,24 @@ def _warm_up_compiled(engine: Any) -> None:
         engine.fail_all()
         engine.runner.disable_compile()
         torch._dynamo.reset()
+
+
+def _speculative(speculative_config: Any) -> DFlashDecodingConfig | None:
+    """The parsed speculative_config (None: plain decoding); DDTree is refused before weights load."""
+    from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+
+    if speculative_config is None:
+        return None
+    spec = DFlashDecodingConfig.from_any(speculative_config)
+    if spec.uses_tree:
+        raise ConfigError(
+            "speculative_config.tree_budget",
+            spec.tree_budget,
+            "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
+            hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
+            "dflash-trt generate --engine reference --tree-budget 32",
+        )
+    return spec
 
 
 def _resolve_pair(model: str, spec: DFlashDecodingConfig | None) -> ResolvedModels:

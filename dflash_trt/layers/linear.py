@@ -20,6 +20,9 @@ from torch.nn import functional as F
 class FusedLinear(nn.Module):
     """y_1, ..., y_n = split(x @ [W_1; ...; W_n]^T + [b_1; ...; b_n])."""
 
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> None:
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)  # [sum N_i, K]
@@ -35,7 +38,7 @@ class FusedLinear(nn.Module):
             raise ValueError("FusedLinear.of: either every linear has a bias or none has")
         with torch.no_grad():
             weight = torch.cat([m.weight for m in linears], dim=0)
-            bias = torch.cat([m.bias for m in linears]) if all(has_bias) else None  # type: ignore[misc]
+            bias = torch.cat([m.bias for m in linears if m.bias is not None]) if all(has_bias) else None
         rows = 0
         for m in linears:
             n = m.out_features
