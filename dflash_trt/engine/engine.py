@@ -102,16 +102,8 @@ class LLMEngine:
         self._aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # from abort
         self._live: dict[int, Request] = {}  # every request added and not yet finished
         self.num_steps = 0
-        log.info(
-            "engine: %s target, drafter=%s, block=%d, %d KV pages of %d tokens, device=%s %s",
-            tcfg.model_type,
-            drafter_dir,
-            block,
-            self.num_kv_pages,
-            PAGE_SIZE,
-            device,
-            dtype,
-        )
+        log.info("engine: %s target, drafter=%s, block=%d, %d KV pages of %d tokens, device=%s %s",
+                 tcfg.model_type, drafter_dir, block, self.num_kv_pages, PAGE_SIZE, device, dtype)  # fmt: skip
 
     def _load_drafter(
         self, drafter_dir: str | Path, spec: DFlashDecodingConfig, *, device: torch.device, dtype: torch.dtype

@@ -159,18 +159,7 @@ class ModelRunner:
                 device=self.device,
             )
         self.mask_token_id = drafter.mask_token_id if drafter is not None else 0
-        moe = target.config.moe is not None
-        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and not moe)
-        if cuda_graphs and self.device.type == "cuda" and moe:
-            log.warning("CUDA graphs are off for MoE targets (their expert routing is data dependent)")
-        self.graph_batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_batch_size) or (
-            max_batch_size,
-        )
-        if self.graph_batch_sizes[-1] < max_batch_size:
-            self.graph_batch_sizes = (*self.graph_batch_sizes, max_batch_size)
-        self.static_rounds = static_rounds or self.cuda_graphs
-        self._graphs: dict[tuple, Any] = {}
-        self._graph_failed = False
+        self._setup_graphs(cuda_graphs, graph_batch_sizes, static_rounds)
         self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
         if use_plugins if use_plugins is not None else default_enabled(self.device):
@@ -182,6 +171,22 @@ class ModelRunner:
         self._no_recompile = False
         if compile:
             self.enable_compile()
+
+    def _setup_graphs(
+        self, cuda_graphs: bool, graph_batch_sizes: tuple[int, ...], static_rounds: bool
+    ) -> None:
+        """CUDA graphs (CUDA only, not for MoE targets) and the batch sizes they are captured at."""
+        moe = self.target.config.moe is not None
+        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and not moe)
+        if cuda_graphs and self.device.type == "cuda" and moe:
+            log.warning("CUDA graphs are off for MoE targets (their expert routing is data dependent)")
+        max_b = self.max_batch_size
+        self.graph_batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_b) or (max_b,)
+        if self.graph_batch_sizes[-1] < max_b:
+            self.graph_batch_sizes = (*self.graph_batch_sizes, max_b)
+        self.static_rounds = static_rounds or self.cuda_graphs
+        self._graphs: dict[tuple, Any] = {}
+        self._graph_failed = False
 
     def enable_compile(self) -> None:
         """Run rounds through torch.compile from now on (engine/compile.py has the options). The
