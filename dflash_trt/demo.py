@@ -38,7 +38,8 @@ def heldout_table(count: int = 8) -> bool:
     spec_cfg = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": "tiny"}
     runs: dict[str, list[tuple[list[int], float, float]]] = {}
     for mode, cfg in (("plain", None), ("DFlash", spec_cfg)):
-        with LLM("tiny", speculative_config=cfg, max_batch_size=1) as llm:
+        # eager rounds: compiling (LLM's default) pays off over a server's life, not over 8 prompts
+        with LLM("tiny", speculative_config=cfg, max_batch_size=1, compile=False) as llm:
             llm.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
             runs[mode] = []
             for prompt in prompts:

@@ -22,8 +22,12 @@ def main() -> int:
         print("$ dflash-trt build --target tiny --output", bundle, flush=True)
         subprocess.run([sys.executable, "-m", "dflash_trt", "build", "--target", "tiny", "--output", str(bundle)],
                        check=True)  # fmt: skip
+        # Eager rounds: a demo should answer in seconds; `dflash-trt serve` compiles them by default
+        # (minutes the first time on a small CPU, then cached: docs/serving.md).
+        print("(the demo serves eager rounds; `dflash-trt serve` compiles them by default)", flush=True)
         server = TritonServer(bundle / "model_repository", http_port=18000, grpc_port=18001, metrics_port=18002,
-                              extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle)}, forward_logs=False)  # fmt: skip
+                              extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle), "DFLASH_TRT_COMPILE": "0"},
+                              forward_logs=False)  # fmt: skip
         t0 = time.monotonic()
         server.start()
         try:

@@ -20,6 +20,9 @@ import pytest
 # One compute thread per process: the suite runs on 2 cores next to test servers and subprocesses,
 # and oversubscribed OpenMP threads made tiny-model tests ~30x slower. Subprocesses inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Engines default to compiled rounds; most tests start engines and servers by the dozen, so they run
+# eager rounds (DFLASH_TRT_COMPILE=0, inherited by servers). Tests of the compiled default unset it.
+os.environ.setdefault("DFLASH_TRT_COMPILE", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import logging
 import os
 import threading
@@ -112,30 +113,21 @@ class LLM:
         profile: bool = False,
         use_plugins: bool | None = None,
         cpu_threads: int | None = None,
-        compile: bool = False,
+        compile: bool | None = None,
+        compile_cache: str | None = None,
         wedge_timeout_s: float | None = DEFAULT_WEDGE_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         _check_accepted_noops(kwargs)
         _check_wedge_timeout(wedge_timeout_s)
-        import torch
-
-        from dflash_trt.engine.engine import LLMEngine
         from dflash_trt.models.checkpoint import read_json
-        from dflash_trt.models.sources import default_stop_token_ids
         from dflash_trt.models.target_config import parse_target_config
-        from dflash_trt.spec.decoding_config import DFlashDecodingConfig
-        from dflash_trt.utils.device import resolve_device, resolve_dtype
+        from dflash_trt.utils.device import DTYPES, resolve_device, resolve_dtype
 
-        spec = DFlashDecodingConfig.from_any(speculative_config) if speculative_config is not None else None
-        if spec is not None and spec.uses_tree:  # before any weights load
-            raise ConfigError(
-                "speculative_config.tree_budget",
-                spec.tree_budget,
-                "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
-                hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
-                "dflash-trt generate --engine reference --tree-budget 32",
-            )
+        self.device = resolve_device(None if device == "auto" else device)
+        # First: later imports (the tokenizer's) fix inductor's cache directory when they load inductor.
+        compile = _compile_wanted(compile, self.device, compile_cache)
+        spec = _speculative(speculative_config)
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
         self.drafter_dir = models.drafter_dir if spec is not None else None
@@ -143,8 +135,10 @@ class LLM:
         tcfg = parse_target_config(read_json(models.target_dir / "config.json", what="target config"))
         if max_seq_len is None:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
-        self.device = resolve_device(None if device == "auto" else device)
-        self.dtype = resolve_dtype(None if dtype == "auto" else dtype, self.device)
+        checkpoint_dtype = DTYPES.get(tcfg.checkpoint_dtype or "")
+        self.dtype = resolve_dtype(
+            dtype, self.device, checkpoint_dtype=checkpoint_dtype, hidden_size=tcfg.hidden_size
+        )
         self.cpu_threads = _set_cpu_threads(self.device, tcfg.hidden_size, cpu_threads)
         self.engine_config = _engine_config(
             max_batch_size=max_batch_size,
@@ -157,19 +151,7 @@ class LLM:
             use_plugins=use_plugins,
             compile=compile,
         )
-        with torch.inference_mode():
-            self.engine = LLMEngine(
-                target_dir=models.target_dir,
-                drafter_dir=self.drafter_dir,
-                spec=spec,
-                tokenizer=self.tokenizer,
-                config=self.engine_config,
-                device=self.device,
-                dtype=self.dtype,
-                eos_token_ids=tuple(default_stop_token_ids(models.target_dir, self.tokenizer)),
-            )
-            if compile:  # compile before the first request, not inside it
-                log.info("compiled rounds ready in %.1f s", self.engine.warm_up())
+        self.engine = self._load_engine(models.target_dir, spec, compile=compile)
         self.speculative_config = spec
         self.args = {
             "model": str(model),
@@ -178,13 +160,34 @@ class LLM:
             "max_seq_len": max_seq_len,
             "speculative_config": spec.to_dict() if spec else None,
         }
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, Any] = {}
-        self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
-        warm = self.engine.stats()
-        self._rounds_seen = (warm["rounds"], warm["round_s"])  # warm-up rounds are not reported
-        self._t0 = time.perf_counter()
         self._start_threads(wedge_timeout_s)
+
+    def _load_engine(self, target_dir: Path, spec: Any, *, compile: bool) -> Any:
+        """The engine on the resolved models (compiled and warmed up when `compile`), with everything
+        loaded so far frozen out of the cyclic garbage collector."""
+        import torch
+
+        from dflash_trt.engine.engine import LLMEngine
+        from dflash_trt.models.sources import default_stop_token_ids
+
+        with torch.inference_mode():
+            engine = LLMEngine(
+                target_dir=target_dir,
+                drafter_dir=self.drafter_dir,
+                spec=spec,
+                tokenizer=self.tokenizer,
+                config=self.engine_config,
+                device=self.device,
+                dtype=self.dtype,
+                eos_token_ids=tuple(default_stop_token_ids(target_dir, self.tokenizer)),
+            )
+            if compile:  # compile before the first request, not inside it
+                _warm_up_compiled(engine)
+        # Everything allocated so far (modules, the tokenizer, compiled code) lives as long as the LLM:
+        # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.
+        gc.collect()
+        gc.freeze()
+        return engine
 
     # --- public ------------------------------------------------------------------------------------
     def generate(
@@ -313,7 +316,15 @@ class LLM:
 
     # --- the engine thread and its watchdog ------------------------------------------------------------
     def _start_threads(self, wedge_timeout_s: float | None) -> None:
+        """The counters the engine thread publishes, then the engine thread and its watchdog."""
         from dflash_trt.engine.faults import fault_from_env, with_fault
+
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, Any] = {}
+        self._round_times: collections.deque[float] = collections.deque(maxlen=4096)
+        warm = self.engine.stats()
+        self._rounds_seen = (warm["rounds"], warm["round_s"])  # warm-up rounds are not reported
+        self._t0 = time.perf_counter()
 
         self._submit_lock = threading.Lock()  # orders submissions against shutdown and death
         self._wake = threading.Event()  # set when the engine may have new work
@@ -488,6 +499,62 @@ def _check_wedge_timeout(value: float | None) -> None:
             "wedge_timeout_s", value, "must be a number of seconds > 0, or None (no watchdog)",
             hint=f"leave it at {DEFAULT_WEDGE_TIMEOUT_S:g}, or raise it for very slow steps",
         )  # fmt: skip
+
+
+def _compile_wanted(requested: bool | None, device: Any, cache_root: str | None) -> bool:
+    """compile=None (the default) compiles where torch.compile can run, unless $DFLASH_TRT_COMPILE=0;
+    compile=True where it cannot warns and serves eagerly. Points the compile cache at its root."""
+    from dflash_trt.engine.compile import COMPILE_ENV, unsupported_reason, use_cache_root
+
+    if requested is None:
+        requested = os.environ.get(COMPILE_ENV, "1") != "0"
+    if not requested:
+        return False
+    reason = unsupported_reason(device)
+    if reason is not None:
+        log.warning("compiled rounds are off: %s; serving with eager rounds", reason)
+        return False
+    log.info("compile cache: %s", use_cache_root(cache_root, device))
+    return True
+
+
+def _warm_up_compiled(engine: Any) -> None:
+    """Compile before traffic; a failed compilation falls back to eager rounds with a warning."""
+    import torch
+
+    log.info(
+        "compiling the round (greedy and sampled, batch 1 and 2+): minutes when the compile cache is cold"
+    )
+    try:
+        log.info("compiled rounds ready in %.1f s", engine.warm_up())
+        engine.runner.freeze_compiled()  # a shape class not seen in warm-up runs eagerly, never stalls
+    except Exception as exc:  # any compiler failure: serving eagerly beats not serving
+        log.warning(
+            "compiling the round failed (%s: %s); serving with eager rounds",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+        engine.fail_all()
+        engine.runner.disable_compile()
+        torch._dynamo.reset()
+
+
+def _speculative(speculative_config: Any) -> DFlashDecodingConfig | None:
+    """The parsed speculative_config (None: plain decoding); DDTree is refused before weights load."""
+    from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+
+    if speculative_config is None:
+        return None
+    spec = DFlashDecodingConfig.from_any(speculative_config)
+    if spec.uses_tree:
+        raise ConfigError(
+            "speculative_config.tree_budget",
+            spec.tree_budget,
+            "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
+            hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
+            "dflash-trt generate --engine reference --tree-budget 32",
+        )
+    return spec
 
 
 def _resolve_pair(model: str, spec: DFlashDecodingConfig | None) -> ResolvedModels:

@@ -289,6 +289,7 @@ def _run_embedded(job: _Job) -> Any:
         max_seq_len=len(job.ids) + job.max_new_tokens + 1,
         device=job.device.type,
         dtype=str(job.dtype).removeprefix("torch."),
+        compile=False,  # one request: compiling the round (minutes) would cost more than it saves
     )
     s = job.sampling
     try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import tempfile
@@ -41,11 +42,12 @@ HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is
     "--no-draft", is_flag=True, help="Serve the bundle's target without the drafter (the AR baseline)."
 )
 @click.option(
-    "--compile",
+    "--compile/--eager",
     "compile_rounds",
-    is_flag=True,
-    help="Embedded engine: torch.compile the DFlash round (LLM(compile=True)). Compiles while the model "
-    "loads (about a minute on 2 CPU cores), then runs fused kernels.",
+    default=None,
+    help="Embedded engine: compiled rounds (torch.compile; the default wherever it can run, a compile "
+    "failure falls back to eager with a warning) or eager rounds. Compiling takes minutes on a small CPU "
+    "the first time; the cache under <bundle>/compile-cache makes restarts take seconds.  [default: compile]",
 )
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30, show_default=True,
               help="On SIGTERM/SIGINT: seconds in-flight requests may run on before they are ended with an "
@@ -80,7 +82,7 @@ def serve(
     metrics_port: int,
     ready_timeout: float,
     no_draft: bool,
-    compile_rounds: bool,
+    compile_rounds: bool | None,
     drain_timeout: float,
     log_verbose: int,
     quiet: bool,
@@ -140,7 +142,7 @@ def serve(
     sys.exit(0 if (outcome == "finalized" and code == 0) or outcome == "drained" else 1)
 
 
-def _check_compile(manifest: dict, *, compile_rounds: bool) -> None:
+def _check_compile(manifest: dict, *, compile_rounds: bool | None) -> None:
     from dflash_trt.errors import UsageError
 
     if compile_rounds and manifest["backend"] != "torch":
@@ -153,14 +155,16 @@ def _check_compile(manifest: dict, *, compile_rounds: bool) -> None:
 
 def _triton_server(
     bundle: Path, manifest: dict, tmp: Path, *, host: str, ports: tuple[int, int, int], log_verbose: int,
-    quiet: bool, no_draft: bool, compile_rounds: bool, key: Any,
+    quiet: bool, no_draft: bool, compile_rounds: bool | None, key: Any,
 ) -> TritonServer:  # fmt: skip
-    """tritonserver (not started) on the bundle's repository, or on a copy with --no-draft/--compile."""
+    """tritonserver (not started) on the bundle's repository, or on a copy with --no-draft/--compile/
+    --eager. The embedded engine's compile cache goes into the bundle when it is writable."""
     from dflash_trt.bundle import bundle_path
+    from dflash_trt.engine.compile import BUNDLE_CACHE_DIR, CACHE_ENV
     from dflash_trt.triton.server import TritonServer
 
     repo = bundle_path(bundle, manifest, "model_repository")
-    if no_draft or compile_rounds:
+    if no_draft or compile_rounds is not None:
         repo = _with_overrides(repo, tmp, no_draft=no_draft, compile_rounds=compile_rounds)
     http_port, grpc_port, metrics_port = ports
     return TritonServer(
@@ -170,13 +174,24 @@ def _triton_server(
         grpc_port=grpc_port,
         metrics_port=metrics_port,
         log_verbose=log_verbose,
-        extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve())},
+        extra_env={
+            "DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve()),
+            **_compile_cache_env(bundle, CACHE_ENV, BUNDLE_CACHE_DIR),
+        },
         forward_logs=not quiet,
         exit_timeout=EXIT_TIMEOUT_S,
         control_dir=tmp / "control",
         models=(manifest["serving"]["model_name"],),
         api_key=key,
     )
+
+
+def _compile_cache_env(bundle: Path, env: str, name: str) -> dict[str, str]:
+    """Point the compile cache at <bundle>/<name> (kept across restarts, shared by every server of the
+    bundle) unless $<env> is set or the bundle is read-only (then the engine's default applies)."""
+    if os.environ.get(env) or not os.access(bundle, os.W_OK):
+        return {}
+    return {env: str((bundle / name).resolve())}
 
 
 @contextlib.contextmanager
@@ -368,9 +383,9 @@ def _watch(server: TritonServer, front: FrontThread | None, stop: threading.Even
             raise click.ClickException("the OpenAI front stopped unexpectedly")
 
 
-def _with_overrides(repo: Path, out: Path, *, no_draft: bool, compile_rounds: bool) -> Path:
+def _with_overrides(repo: Path, out: Path, *, no_draft: bool, compile_rounds: bool | None) -> Path:
     """A copy of the repository whose model.yaml drops speculative_config (--no-draft) and/or sets
-    compile: true (--compile)."""
+    compile: true (--compile) or false (--eager)."""
     import shutil
 
     import yaml
@@ -383,8 +398,16 @@ def _with_overrides(repo: Path, out: Path, *, no_draft: bool, compile_rounds: bo
         cfg = yaml.safe_load(model_yaml.read_text())
         if no_draft:
             cfg.pop("speculative_config", None)
-        if compile_rounds:
-            cfg["compile"] = True
-        flags = " ".join(f for f, on in (("--no-draft", no_draft), ("--compile", compile_rounds)) if on)
+        if compile_rounds is not None:
+            cfg["compile"] = compile_rounds
+        flags = " ".join(
+            f
+            for f, on in (
+                ("--no-draft", no_draft),
+                ("--compile", compile_rounds),
+                ("--eager", compile_rounds is False),
+            )
+            if on
+        )
         model_yaml.write_text(f"# {flags} copy written by dflash-trt serve\n" + dump_yaml(cfg))
     return dest

@@ -66,26 +66,14 @@ class LLMEngine:
         self.drafter = None
         block = 1
         if drafter_dir is not None and spec is not None:
-            self.drafter = load_drafter(
-                drafter_dir, device=device, dtype=dtype, mask_token_id=spec.mask_token_id
-            )
-            if spec.target_layer_ids is not None and list(spec.target_layer_ids) != list(
-                self.drafter.config.target_layer_ids
-            ):
-                raise ConfigError(
-                    "speculative_config.target_layer_ids",
-                    spec.target_layer_ids,
-                    f"differs from the drafter's {list(self.drafter.config.target_layer_ids)}",
-                    hint="omit it; the drafter's config is authoritative",
-                )
-            validate_pair(
-                self.drafter.config,
-                TargetInfo(tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, tcfg.model_type),
-            )
-            spec.validate(block_size=self.drafter.config.block_size)
+            self.drafter = self._load_drafter(drafter_dir, spec, device=device, dtype=dtype)
             assert spec.max_draft_len is not None
             block = spec.max_draft_len + 1
         self.block_size = block
+        # One GEMM for q/k/v and one for gate/up in both models (fewer, wider GEMMs; same weights).
+        self.target.fuse_projections()
+        if self.drafter is not None:
+            self.drafter.fuse_projections()
         num_pages = self._plan_pages(dtype)
         self.num_kv_pages = num_pages - 1  # page 0 is the padding page
         self.scheduler = Scheduler(
@@ -114,16 +102,30 @@ class LLMEngine:
         self._aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # from abort
         self._live: dict[int, Request] = {}  # every request added and not yet finished
         self.num_steps = 0
-        log.info(
-            "engine: %s target, drafter=%s, block=%d, %d KV pages of %d tokens, device=%s %s",
-            tcfg.model_type,
-            drafter_dir,
-            block,
-            self.num_kv_pages,
-            PAGE_SIZE,
-            device,
-            dtype,
+        log.info("engine: %s target, drafter=%s, block=%d, %d KV pages of %d tokens, device=%s %s",
+                 tcfg.model_type, drafter_dir, block, self.num_kv_pages, PAGE_SIZE, device, dtype)  # fmt: skip
+
+    def _load_drafter(
+        self, drafter_dir: str | Path, spec: DFlashDecodingConfig, *, device: torch.device, dtype: torch.dtype
+    ) -> Any:
+        """The drafter, checked against the speculative config and the target."""
+        drafter = load_drafter(drafter_dir, device=device, dtype=dtype, mask_token_id=spec.mask_token_id)
+        if spec.target_layer_ids is not None and list(spec.target_layer_ids) != list(
+            drafter.config.target_layer_ids
+        ):
+            raise ConfigError(
+                "speculative_config.target_layer_ids",
+                spec.target_layer_ids,
+                f"differs from the drafter's {list(drafter.config.target_layer_ids)}",
+                hint="omit it; the drafter's config is authoritative",
+            )
+        tcfg = self.target.config
+        validate_pair(
+            drafter.config,
+            TargetInfo(tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, tcfg.model_type),
         )
+        spec.validate(block_size=drafter.config.block_size)
+        return drafter
 
     # --- memory ---------------------------------------------------------------------------------
     def _bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -169,8 +171,14 @@ class LLMEngine:
         request untouched (the LLM API keeps its handle there). Thread-safe.
         """
         check_prompt_ids(prompt_ids, self.vocab_size)
-        n = len(prompt_ids)
-        max_tokens = params.max_tokens
+        self._check_lengths(len(prompt_ids), params.max_tokens)
+        self._check_sampling(params)
+        req = self._make_request(prompt_ids, params, owner=owner)
+        self._new.put(req)
+        return req
+
+    def _check_lengths(self, n: int, max_tokens: Any) -> None:
+        """max_tokens against the prompt's `n` tokens, max_seq_len and the KV cache."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(
                 f"max_tokens={max_tokens!r} must be an integer >= 1",
@@ -198,6 +206,9 @@ class LLMEngine:
                 field="max_tokens",
                 hint="lower max_tokens or raise kv_cache_config.max_tokens",
             )
+
+    def _check_sampling(self, params: RequestParams) -> None:
+        """Sampling ranges, min_tokens and seed, stop ids against the vocabulary, stop strings."""
         try:
             validate_sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         except ConfigError as exc:
@@ -221,6 +232,10 @@ class LLMEngine:
                 field="stop",
                 hint="use stop_token_ids",
             )
+
+    def _make_request(self, prompt_ids: list[int], params: RequestParams, *, owner: Any) -> Request:
+        """The checked request as the engine keeps it: stop ids resolved, a seed drawn when none was
+        given, a detokenizer when the model has a tokenizer."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= {params.end_id} if params.end_id is not None else set(self.eos_token_ids)
@@ -232,10 +247,10 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
             )
-        req = Request(
+        return Request(
             request_id=next(self._ids),
             prompt_ids=[int(t) for t in prompt_ids],
-            max_len=n + max_tokens,
+            max_len=len(prompt_ids) + params.max_tokens,
             temperature=float(params.temperature),
             top_k=int(params.top_k),
             top_p=float(params.top_p),
@@ -248,8 +263,6 @@ class LLMEngine:
             detokenizer=detokenizer,
             owner=owner,
         )
-        self._new.put(req)
-        return req
 
     def abort(self, request_id: int) -> None:
         """Cancel a request at the next step: it ends with finish_reason 'cancelled'. Thread-safe;
@@ -259,20 +272,28 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._new.empty() or not self._aborts.empty()
 
-    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> float:
-        """Run throwaway greedy requests to completion so that what is built on first use (the
-        compiled round for batch 1 and for larger batches, across page-width growth) is ready
-        before real traffic. Returns the seconds it took. Engine thread, before serving."""
+    def warm_up(self, batch_sizes: tuple[int, ...] = (2, 1)) -> float:
+        """Run throwaway requests to completion so that what is built on first use (the compiled
+        round for batch 1 and for larger batches, across page-width growth, greedy and sampling) is
+        ready before real traffic. Returns the seconds it took. Engine thread, before serving."""
         t0 = time.perf_counter()
         new_tokens = min(3 * PAGE_SIZE, self.config.max_seq_len - 2)
-        for bs in batch_sizes:
-            if bs > self.config.max_batch_size or new_tokens < 1:
-                continue
+        sampled = RequestParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, seed=0)
+        variants = [
+            (mode, bs, params)
+            for mode, params in (("greedy", RequestParams(max_tokens=new_tokens, ignore_eos=True)), ("sampled", sampled))
+            for bs in batch_sizes
+            if bs <= self.config.max_batch_size and new_tokens >= 1
+        ]  # fmt: skip
+        for n, (mode, bs, params) in enumerate(variants, 1):
+            t1 = time.perf_counter()
             for i in range(bs):
-                prompt = [1 + i % max(1, self.vocab_size - 1)] * 2
-                self.add_request(prompt, RequestParams(max_tokens=new_tokens, ignore_eos=True))
+                self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, params)
             while self.has_work():
                 self.step()
+            log.info(
+                "warm-up %d/%d (%s, batch %d): %.1f s", n, len(variants), mode, bs, time.perf_counter() - t1
+            )
         return time.perf_counter() - t0
 
     # --- the step (engine thread) -----------------------------------------------------------------

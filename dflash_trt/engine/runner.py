@@ -19,8 +19,10 @@ Padding rows point at page 0, which no sequence owns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +59,34 @@ class RoundOutput:
 
 
 @dataclass
+class _Sampling:
+    """A round's per-request sampling tensors ([bs] each) and the batch's static flags."""
+
+    seeds: torch.Tensor
+    temps: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy_draft: torch.Tensor
+    flags: tuple[bool, bool, bool]  # (all greedy, any greedy, any top-k/top-p filter)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.flags[0]
+
+    def probs(self, logits: torch.Tensor, *, per_row: int) -> torch.Tensor:
+        """logits [bs * per_row, V] -> processed probabilities (each request's row repeated)."""
+        _, any_greedy, needs_filter = self.flags
+        return logits_to_probs(
+            logits,
+            self.temps.repeat_interleave(per_row),
+            self.top_k.repeat_interleave(per_row),
+            self.top_p.repeat_interleave(per_row),
+            needs_filter=needs_filter,
+            any_greedy=any_greedy,
+        )
+
+
+@dataclass
 class PhaseTimes:
     """Wall time per phase, accumulated (seconds). Only synchronised when profiling is on."""
 
@@ -66,6 +96,16 @@ class PhaseTimes:
     accept_s: float = 0.0
     round_s: float = 0.0
     rounds: int = 0
+
+
+def _round_flags(reqs: list[Request]) -> tuple[bool, bool, bool]:
+    """(all greedy, any greedy, any top-k/top-p): a round's compile-time sampling mode. Three modes
+    only, so that compiled and captured rounds need three variants at most: all-greedy batches take
+    the argmax path; every other batch takes the sampling path, which handles greedy rows exactly
+    (one-hot distributions), with the sorting filter only when a request asks for it."""
+    if all(s.temperature == 0 for s in reqs):
+        return True, True, False
+    return False, True, any(s.needs_filter for s in reqs)
 
 
 class ModelRunner:
@@ -119,36 +159,54 @@ class ModelRunner:
                 device=self.device,
             )
         self.mask_token_id = drafter.mask_token_id if drafter is not None else 0
-        moe = target.config.moe is not None
-        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and not moe)
-        if cuda_graphs and self.device.type == "cuda" and moe:
-            log.warning("CUDA graphs are off for MoE targets (their expert routing is data dependent)")
-        self.graph_batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_batch_size) or (
-            max_batch_size,
-        )
-        if self.graph_batch_sizes[-1] < max_batch_size:
-            self.graph_batch_sizes = (*self.graph_batch_sizes, max_batch_size)
-        self.static_rounds = static_rounds or self.cuda_graphs
-        self._graphs: dict[tuple, Any] = {}
-        self._graph_failed = False
+        self._setup_graphs(cuda_graphs, graph_batch_sizes, static_rounds)
         self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
         if use_plugins if use_plugins is not None else default_enabled(self.device):
             from dflash_trt.plugins.drafting import enable_plugins
 
             self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
-        self.compiled = compile
+        self._round_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._round_core
+        self.compiled = False
+        self._no_recompile = False
         if compile:
-            # On CPU, inductor's own C++ GEMM templates (max_autotune, CPP backend) replace small BLAS calls
-            # whose dispatch costs more than their arithmetic at these sizes (tiny, batch 1: 3.4 -> 2.4 ms a
-            # plain step). The instance attribute shadows the method for every caller.
-            options: dict[str, Any] = {
-                "max_autotune": True,
-                "max_autotune_gemm_backends": "CPP,ATEN",
-            }
-            self._round_core = torch.compile(  # type: ignore[method-assign]
-                self._round_core, dynamic=True, options=options if self.device.type == "cpu" else None
-            )
+            self.enable_compile()
+
+    def _setup_graphs(
+        self, cuda_graphs: bool, graph_batch_sizes: tuple[int, ...], static_rounds: bool
+    ) -> None:
+        """CUDA graphs (CUDA only, not for MoE targets) and the batch sizes they are captured at."""
+        moe = self.target.config.moe is not None
+        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and not moe)
+        if cuda_graphs and self.device.type == "cuda" and moe:
+            log.warning("CUDA graphs are off for MoE targets (their expert routing is data dependent)")
+        max_b = self.max_batch_size
+        self.graph_batch_sizes = tuple(b for b in graph_batch_sizes if b <= max_b) or (max_b,)
+        if self.graph_batch_sizes[-1] < max_b:
+            self.graph_batch_sizes = (*self.graph_batch_sizes, max_b)
+        self.static_rounds = static_rounds or self.cuda_graphs
+        self._graphs: dict[tuple, Any] = {}
+        self._graph_failed = False
+
+    def enable_compile(self) -> None:
+        """Run rounds through torch.compile from now on (engine/compile.py has the options). The
+        first round of each new shape class compiles; `LLMEngine.warm_up` does that before traffic."""
+        from dflash_trt.engine.compile import compile_round
+
+        self._round_fn = compile_round(self._round_core, self.device)
+        self.compiled = True
+        self._no_recompile = False
+
+    def freeze_compiled(self) -> None:
+        """From now on a round of a shape class no graph covers runs eagerly instead of compiling:
+        a compilation takes minutes on a small CPU, and serving must never stall for one (nor trip
+        the engine's wedge watchdog). `LLMEngine.warm_up` compiles the usual classes first."""
+        self._no_recompile = True
+
+    def disable_compile(self) -> None:
+        """Back to eager rounds (after a failed compilation)."""
+        self._round_fn = self._round_core
+        self.compiled = self._no_recompile = False
 
     # ------------------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -249,11 +307,7 @@ class ModelRunner:
             "top_p": [s.top_p for s in reqs],
             "greedy_draft": [s.greedy_draft or s.temperature == 0 for s in reqs],
         }
-        flags = (
-            all(s.temperature == 0 for s in reqs),
-            any(s.temperature == 0 for s in reqs),
-            any(s.needs_filter for s in reqs),
-        )
+        flags = _round_flags(reqs)
         tables = [s.pages for s in reqs]
         if self.static_rounds and not self._graph_failed:
             try:
@@ -274,18 +328,27 @@ class ModelRunner:
 
     def _eager(self, inputs: dict[str, list], tables: list[list[int]], g: int, width: int, flags: tuple):
         dev = self.device
-        if self.compiled:
-            # torch.compile specialises sizes of 1: a second (padding) page keeps one-page contexts on
-            # the general graph. (Batch 1 keeps its own graph: padding the batch would double a round's
-            # work.) Padding pages point at page 0, masked like any key beyond a sequence's length.
-            width = max(width, 2)
         t = {k: torch.tensor(v, device=dev) for k, v in inputs.items()}
-        rows = [p[:width] + [0] * (width - min(width, len(p))) for p in tables]
-        return self._round_core(
-            t["anchors"], t["starts"], t["block_lens"], torch.tensor(rows, dtype=torch.long, device=dev),
-            t["num_pending"], t["rows"], t["seeds"], t["temps"].float(), t["top_k"], t["top_p"].float(),
-            t["greedy_draft"], g=g, flags=flags,
-        )  # fmt: skip
+        rows = torch.tensor([p[:width] + [0] * (width - min(width, len(p))) for p in tables], device=dev)
+        if self.compiled:  # the page width grows with the context: one graph for every width
+            torch._dynamo.mark_dynamic(rows, 1)
+        stance = "eager_on_recompile" if self._no_recompile else "default"
+        with torch.compiler.set_stance(stance) if self.compiled else contextlib.nullcontext():
+            return self._round_fn(
+                t["anchors"],
+                t["starts"],
+                t["block_lens"],
+                rows,
+                t["num_pending"],
+                t["rows"],
+                t["seeds"],
+                t["temps"].float(),
+                t["top_k"],
+                t["top_p"].float(),
+                t["greedy_draft"],
+                g=g,
+                flags=flags,
+            )
 
     def _round_core(
         self,
@@ -304,66 +367,105 @@ class ModelRunner:
         g: int,
         flags: tuple[bool, bool, bool],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        all_greedy, any_greedy, needs_filter = flags
-        bs = anchors.shape[0]
-        bq = g + 1
-        dev = anchors.device
-        ps = self.page_size
-        cap = tables.shape[1] * ps - 1
-        ctx_idx = context_index(tables, ps)  # [bs, W * P]
-        j = torch.arange(bq, device=dev)
-        block_pos = starts[:, None] + j  # [bs, Bq]
-        blk_valid = j[None, :] < block_lens[:, None]  # [bs, Bq]
-
+        """One round as four named steps: inject, draft, verify, accept. Pure tensor code (no host
+        reads) so that torch.compile and CUDA graphs can take it whole."""
+        bs, dev = anchors.shape[0], anchors.device
+        ctx_idx = context_index(tables, self.page_size)  # [bs, W * P]
+        cap = tables.shape[1] * self.page_size - 1  # last position the tables cover
+        block_pos = starts[:, None] + torch.arange(g + 1, device=dev)  # [bs, Bq]
+        sampling = _Sampling(seeds, temps, top_k, top_p, greedy_draft, flags)
         t_draft = self._phase_clock()
         drafts = torch.zeros(bs, g, dtype=torch.long, device=dev)
         q_probs = None
         if self.drafter is not None:
-            assert self.draft_cache is not None
-            # 1. KV injection of the pending context (rows >= num_pending go to the padding page).
-            w = self.pending_feats.shape[1]
-            r = torch.arange(w, device=dev)
-            ctx_pos = starts[:, None] - num_pending[:, None] + r  # [bs, w]
-            ctx_ok = r[None, :] < num_pending[:, None]
-            ctx_slots = torch.where(ctx_ok, slot_mapping(tables, ctx_pos.clamp(0, cap), ps), 0)
-            feats = self.pending_feats[rows]  # [bs, w, K*D]
-            (self.plugins or self.drafter).inject_context(
-                self.draft_cache,
-                feats.reshape(bs * w, -1),
-                ctx_pos.clamp(min=0).reshape(-1),
-                ctx_slots.reshape(-1),
-            )
-            # 2. one block pass drafts g tokens per sequence
+            self._inject(tables, starts, num_pending, rows, cap)
             if g > 0:
-                block = torch.full((bs, bq), self.mask_token_id, dtype=torch.long, device=dev)
-                block[:, 0] = anchors
-                hidden = (self.plugins or self.drafter).forward_block(
-                    self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, starts, block_lens
-                )  # [bs, Bq, D]
-                d_logits = self.drafter.compute_logits(hidden[:, 1:])  # [bs, g, V]
-                argmax = d_logits.argmax(dim=-1)
-                if all_greedy:
-                    drafts = argmax
-                else:
-                    vocab = d_logits.shape[-1]
-                    q_probs = logits_to_probs(
-                        d_logits.reshape(bs * g, vocab),
-                        temps.repeat_interleave(g),
-                        top_k.repeat_interleave(g),
-                        top_p.repeat_interleave(g),
-                        needs_filter=needs_filter,
-                        any_greedy=any_greedy,
-                    ).reshape(bs, g, vocab)
-                    u = uniform(seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
-                    sampled = sample_from_probs(q_probs.reshape(bs * g, vocab), u.reshape(-1)).reshape(bs, g)
-                    drafts = torch.where(greedy_draft[:, None], argmax, sampled)
-                    one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
-                    q_probs = torch.where(greedy_draft[:, None, None], one_hot, q_probs)
+                drafts, q_probs = self._draft(anchors, block_pos, block_lens, ctx_idx, sampling)
         t_verify = self._phase_clock()
+        logits = self._verify(anchors, drafts, block_pos, block_lens, starts, tables, ctx_idx, rows, cap)
+        t_accept = self._phase_clock()
+        acc, emit = self._accept(drafts, q_probs, logits, block_pos, block_lens, sampling)
+        if self.profile:
+            t_end = self._phase_clock()
+            self.times.draft_s += t_verify - t_draft
+            self.times.verify_s += t_accept - t_verify
+            self.times.accept_s += t_end - t_accept
+        return acc, emit, drafts
 
-        # 3. verify [anchor, drafts] in one target pass
+    def _inject(
+        self,
+        tables: torch.Tensor,
+        starts: torch.Tensor,
+        num_pending: torch.Tensor,
+        rows: torch.Tensor,
+        cap: int,
+    ) -> None:
+        """KV injection: the previous round's committed tokens (their target taps, kept in
+        pending_feats) become draft-cache context. Rows >= num_pending go to the padding page."""
+        assert self.draft_cache is not None and self.drafter is not None
+        bs, w = starts.shape[0], self.pending_feats.shape[1]
+        r = torch.arange(w, device=starts.device)
+        ctx_pos = starts[:, None] - num_pending[:, None] + r  # [bs, w]
+        ctx_ok = r[None, :] < num_pending[:, None]
+        ctx_slots = torch.where(ctx_ok, slot_mapping(tables, ctx_pos.clamp(0, cap), self.page_size), 0)
+        feats = self.pending_feats[rows]  # [bs, w, K*D]
+        (self.plugins or self.drafter).inject_context(
+            self.draft_cache,
+            feats.reshape(bs * w, -1),
+            ctx_pos.clamp(min=0).reshape(-1),
+            ctx_slots.reshape(-1),
+        )
+
+    def _draft(
+        self,
+        anchors: torch.Tensor,
+        block_pos: torch.Tensor,
+        block_lens: torch.Tensor,
+        ctx_idx: torch.Tensor,
+        sampling: _Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One non-causal block pass proposes g drafts per sequence -> (drafts [bs, g], q [bs, g, V]
+        or None when every request is greedy)."""
+        assert self.draft_cache is not None and self.drafter is not None
+        bs, bq = block_pos.shape
+        g = bq - 1
+        masks = torch.full((bs, g), self.mask_token_id, dtype=torch.long, device=anchors.device)
+        block = torch.cat([anchors[:, None], masks], dim=1)  # [bs, Bq]: the anchor, then g mask tokens
+        hidden = (self.plugins or self.drafter).forward_block(
+            self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, block_pos[:, 0], block_lens
+        )  # [bs, Bq, D]
+        # A copy, not a view of rows 1.. (a view's reshape would depend on whether bs is 1).
+        d_logits = self.drafter.compute_logits(hidden[:, 1:].clone(memory_format=torch.contiguous_format))
+        argmax = d_logits.argmax(dim=-1)
+        if sampling.all_greedy:
+            return argmax, None
+        vocab = d_logits.shape[-1]
+        q_probs = sampling.probs(d_logits.reshape(bs * g, vocab), per_row=g).reshape(bs, g, vocab)
+        u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
+        sampled = sample_from_probs(q_probs.reshape(bs * g, vocab), u.reshape(-1)).reshape(bs, g)
+        greedy = sampling.greedy_draft
+        drafts = torch.where(greedy[:, None], argmax, sampled)
+        one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
+        return drafts, torch.where(greedy[:, None, None], one_hot, q_probs)
+
+    def _verify(
+        self,
+        anchors: torch.Tensor,
+        drafts: torch.Tensor,
+        block_pos: torch.Tensor,
+        block_lens: torch.Tensor,
+        starts: torch.Tensor,
+        tables: torch.Tensor,
+        ctx_idx: torch.Tensor,
+        rows: torch.Tensor,
+        cap: int,
+    ) -> torch.Tensor:
+        """One target pass over [anchor, drafts] writes the B_i valid tokens' K/V and keeps the layer
+        taps as the next round's pending context -> logits [bs, Bq, V]."""
+        bq = block_pos.shape[1]
         tokens = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, Bq]
-        kv_slots = torch.where(blk_valid, slot_mapping(tables, block_pos.clamp(max=cap), ps), 0)
+        blk_valid = torch.arange(bq, device=anchors.device)[None, :] < block_lens[:, None]  # [bs, Bq]
+        kv_slots = torch.where(blk_valid, slot_mapping(tables, block_pos.clamp(max=cap), self.page_size), 0)
         logits, taps = self.target(
             tokens,
             block_pos,
@@ -374,39 +476,35 @@ class ModelRunner:
             tap_layers=self.tap_layers,
         )  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
         if taps is not None:
-            self.pending_feats[rows, :bq] = taps.to(self.pending_feats.dtype)
-        t_accept = self._phase_clock()
+            self.pending_feats[:, :bq].index_copy_(0, rows, taps.to(self.pending_feats.dtype))
+        return logits
 
-        # 4. accept
-        d_valid = j[None, 1:] < block_lens[:, None]  # [bs, g]: draft j+1 lies inside the block
-        if all_greedy:
-            acc, emit = self._greedy_accept(drafts, logits, d_valid)
-        else:
-            vocab = logits.shape[-1]
-            p = logits_to_probs(
-                logits.reshape(bs * bq, vocab),
-                temps.repeat_interleave(bq),
-                top_k.repeat_interleave(bq),
-                top_p.repeat_interleave(bq),
-                needs_filter=needs_filter,
-                any_greedy=any_greedy,
-            ).reshape(bs, bq, vocab)
-            if q_probs is None:
-                q_probs = p.new_zeros(bs, g, vocab)
-            acc, emit = self._rejection_accept(
-                drafts,
-                q_probs,
-                p,
-                uniform(seeds, block_pos[:, 1:], PURPOSE_ACCEPT),
-                uniform(seeds, block_pos + 1, PURPOSE_EMIT),
-                d_valid,
-            )
-        if self.profile:
-            t_end = self._phase_clock()
-            self.times.draft_s += t_verify - t_draft
-            self.times.verify_s += t_accept - t_verify
-            self.times.accept_s += t_end - t_accept
-        return acc, emit, drafts
+    def _accept(
+        self,
+        drafts: torch.Tensor,
+        q_probs: torch.Tensor | None,
+        logits: torch.Tensor,
+        block_pos: torch.Tensor,
+        block_lens: torch.Tensor,
+        sampling: _Sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy or lossless rejection sampling -> (accepted drafts [bs], emitted token [bs])."""
+        bs, bq, vocab = logits.shape
+        g = bq - 1
+        d_valid = torch.arange(1, bq, device=drafts.device)[None, :] < block_lens[:, None]  # [bs, g]
+        if sampling.all_greedy:
+            return self._greedy_accept(drafts, logits, d_valid)
+        p = sampling.probs(logits.reshape(bs * bq, vocab), per_row=bq).reshape(bs, bq, vocab)
+        if q_probs is None:
+            q_probs = p.new_zeros(bs, g, vocab)
+        return self._rejection_accept(
+            drafts,
+            q_probs,
+            p,
+            uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_ACCEPT),
+            uniform(sampling.seeds, block_pos + 1, PURPOSE_EMIT),
+            d_valid,
+        )
 
     # --- static rounds and CUDA graphs -----------------------------------------------------------
     def _replay(self, inputs, tables, bs, g, width, flags):

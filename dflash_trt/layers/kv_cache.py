@@ -67,8 +67,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots: [N] long; k, v: [N, Hkv, d]."""
-        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+        store_kv(self.k[layer], self.v[layer], slots, k, v)
 
     def gather(self, layer: int, token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """token_index: [bs, L] slots (see `context_index`) -> k, v: [bs, L, Hkv, d]."""
@@ -83,6 +82,14 @@ class PagedKVCache:
         """
         for pool in (*self.k, *self.v):
             pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+def store_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+):
+    """Write one layer's new K/V into its pools. slots: [N] long; k, v: [N, Hkv, d]."""
+    k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
 
 
 def slot_mapping(block_tables: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trt.layers.kv_cache import PagedKVCache
+from dflash_trt.layers.kv_cache import PagedKVCache, store_kv
+from dflash_trt.layers.linear import FusedLinear
 from dflash_trt.layers.masks import block_visibility_mask, visibility_mask
+from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
 from dflash_trt.models.target_config import TargetConfig
@@ -39,28 +41,45 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         self.layer = layer
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """Run q, k and v as one GEMM from now on (inference; see layers/linear.py)."""
+        self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [bs, T, D] -> q [bs, T, H, d], k and v [bs, T, Hkv, d] (before norms and RoPE)."""
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv(x)
+        return (
+            q.unflatten(-1, (self.num_heads, self.head_dim)),
+            k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+            v.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+        )
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: PagedKVCache,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
         slots: torch.Tensor,
         ctx_index: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [bs, T, D]; cos/sin: [bs, T, d]; slots: [bs, T]; ctx_index: [bs, Lc]; mask: [bs, 1, T, Lc]."""
+        """x: [bs, T, D]; cos/sin: [bs, T, d]; k_pool/v_pool: this layer's paged K/V [slots, Hkv, d];
+        slots: [bs, T]; ctx_index: [bs, Lc]; mask: [bs, 1, T, Lc]."""
         bs, t, _ = x.shape
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [bs, T, H, d]
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [bs, T, Hkv, d]
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k, v = self.project_qkv(x)  # [bs, T, H, d], [bs, T, Hkv, d] x 2
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, slots.reshape(-1), k.reshape(bs * t, self.num_kv_heads, self.head_dim),
-                    v.reshape(bs * t, self.num_kv_heads, self.head_dim))  # fmt: skip
-        ck, cv = cache.gather(self.layer, ctx_index)  # [bs, Lc, Hkv, d]
+        store_kv(k_pool, v_pool, slots.reshape(-1), k.reshape(bs * t, self.num_kv_heads, self.head_dim),
+                 v.reshape(bs * t, self.num_kv_heads, self.head_dim))  # fmt: skip
+        ck, cv = k_pool[ctx_index], v_pool[ctx_index]  # [bs, Lc, Hkv, d]
         qh, kh, vh = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
         if self.sinks is None:
             out = F.scaled_dot_product_attention(
@@ -83,18 +102,6 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )
         return self.o_proj(out.transpose(1, 2).reshape(bs, t, self.num_heads * self.head_dim))
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, cfg: TargetConfig) -> None:
-        super().__init__()
-        d, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(d, i, bias=b)
-        self.up_proj = nn.Linear(d, i, bias=b)
-        self.down_proj = nn.Linear(i, d, bias=b)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -150,13 +157,21 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp: nn.Module = MoE(cfg) if cfg.moe is not None else DenseMLP(cfg)
+        self.mlp: nn.Module = (
+            MoE(cfg)
+            if cfg.moe is not None
+            else SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        )
         self.input_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
         )
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
         )
+
+    def forward(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask):  # shapes as in Attention.forward
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, slots, ctx_index, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
@@ -186,6 +201,15 @@ class NativeTarget(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings
         ).to(self.model.embed_tokens.weight.device)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one GEMM each (inference only; call once the weights are loaded and in
+        their final device and dtype)."""
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, SwiGLU):
+                layer.mlp.fuse()
 
     def make_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
         w = self.model.embed_tokens.weight
@@ -234,10 +258,7 @@ class NativeTarget(nn.Module):
                 assert block_mask is not None
                 start = seq_lens - input_ids.shape[1]  # column of row 0's K/V
                 masks[window] = block_visibility_mask(positions, k_valid, start, block_mask, window=window)
-            x = x + layer.self_attn(
-                layer.input_layernorm(x), cos, sin, cache, slots, ctx_index, masks[window]
-            )
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, ctx_index, masks[window])
             if i in wanted:
                 taps[i] = x
         h = self.model.norm(x)

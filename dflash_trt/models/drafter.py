@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_trt.layers.kv_cache import PagedKVCache
+from dflash_trt.layers.linear import FusedLinear
 from dflash_trt.layers.masks import visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
@@ -47,14 +48,27 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)  # o bias too (gpt-oss drafters)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # After fuse(): [q; k; v] for the block and [k; v] (a view of its rows) for the context.
+        self.qkv: FusedLinear | None = None
+        self.kv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """Run the block's q/k/v and the context's k/v as one GEMM each (inference only)."""
+        self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
+        self.kv = self.qkv.tail(1)
+
+    def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return apply_rope(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def project_kv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [..., D] -> k, v: [..., Hkv, d] (k normalised and rotated, v raw)."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return apply_rope(k, cos, sin), v
+        if self.kv is None:
+            return self._kv_heads(self.k_proj(x), self.v_proj(x), cos, sin)
+        k, v = self.kv(x)
+        return self._kv_heads(k, v, cos, sin)
 
     def forward(
         self,
@@ -68,9 +82,14 @@ class DraftAttention(nn.Module):
         """h: [bs, B, D] (input-normalised block); cos/sin: [bs, B, d];
         ctx_k/ctx_v: [bs, Lc, Hkv, d] cached context; mask: [bs, 1, B or 1, Lc + B] bool."""
         bs, blk, _ = h.shape
-        q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))  # [bs, B, H, d]
-        q = apply_rope(q, cos, sin)
-        k_blk, v_blk = self.project_kv(h, cos, sin)  # [bs, B, Hkv, d]
+        if self.qkv is None:
+            q, k_blk, v_blk = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        else:
+            q, k_blk, v_blk = self.qkv(h)
+        q = apply_rope(
+            self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin
+        )  # [bs, B, H, d]
+        k_blk, v_blk = self._kv_heads(k_blk, v_blk, cos, sin)  # [bs, B, Hkv, d]
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -146,6 +165,14 @@ class DFlashDrafter(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    def fuse_projections(self) -> None:
+        """q/k/v (block), k/v (context) and gate/up as one GEMM each (inference only; call once the
+        weights are loaded and in their final device and dtype)."""
+        for module in self.layers:
+            layer = cast(DraftLayer, module)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def make_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
         return PagedKVCache.for_model(

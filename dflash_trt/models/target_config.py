@@ -44,6 +44,7 @@ class TargetConfig:
     tie_word_embeddings: bool
     norm_weight_in_fp32: bool = False  # gpt-oss multiplies the norm weight before the cast
     eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None  # "bfloat16", "float16", "float32" as config.json states it
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def layer_window(self, layer: int) -> int | None:
@@ -128,4 +129,15 @@ def parse_target_config(hf_config: dict[str, Any]) -> TargetConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))),
         norm_weight_in_fp32=model_type == "gpt_oss",
         eos_token_ids=eos_ids,
+        checkpoint_dtype=_dtype_name(
+            cfg.get("dtype") or cfg.get("torch_dtype") or hf_config.get("torch_dtype")
+        ),
     )
+
+
+def _dtype_name(value: Any) -> str | None:
+    """config.json's dtype ("bfloat16", or "torch.bfloat16" in older files) as a plain name."""
+    if not isinstance(value, str):
+        return None
+    name = value.removeprefix("torch.")
+    return name if name in ("bfloat16", "float16", "float32") else None

@@ -95,6 +95,16 @@ def test_compile_flag_sets_the_llm_argument_and_needs_the_embedded_engine(tiny_b
     )
     text = (both / "tensorrt_llm/1/model.yaml").read_text()
     assert text.startswith("# --no-draft --compile copy") and "speculative_config" not in yaml.safe_load(text)
+    eager = _with_overrides(
+        tiny_bundle / "model_repository", tmp_path / "c", no_draft=False, compile_rounds=False
+    )
+    text = (eager / "tensorrt_llm/1/model.yaml").read_text()
+    assert text.startswith("# --eager copy") and yaml.safe_load(text)["compile"] is False
+    # no flag: the bundle's own repository (the engine compiles where it can), its cache in the bundle
+    from dflash_trt.cli.serve import _compile_cache_env
+
+    env = _compile_cache_env(tiny_bundle, "DFLASH_TRT_TEST_CACHE_UNSET", "compile-cache")
+    assert env == {"DFLASH_TRT_TEST_CACHE_UNSET": str((tiny_bundle / "compile-cache").resolve())}
 
     other = tmp_path / "trtllm-bundle"
     shutil.copytree(tiny_bundle, other)

@@ -50,6 +50,7 @@ import datetime
 import functools
 import json
 import locale
+import logging
 import os
 import threading
 import time
@@ -132,6 +133,27 @@ POLL_S = 0.25  # engine counters and liveness
 HEARTBEAT_S = 1.0
 DEAD_MARKER = "engine-dead"
 REPORT_DEAD_WITHIN_S = 2.0  # error responses go out before the marker asks for a restart
+
+
+class _TritonLogHandler(logging.Handler):
+    """dflash_trt's log records into Triton's log (the engine's load and compile progress)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = f"{record.name}: {record.getMessage()}"
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(text)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(text)
+        else:
+            pb_utils.Logger.log_info(text)
+
+
+def _forward_engine_logs() -> None:
+    engine_log = logging.getLogger("dflash_trt")
+    if not any(isinstance(h, _TritonLogHandler) for h in engine_log.handlers):
+        engine_log.addHandler(_TritonLogHandler())
+        engine_log.setLevel(logging.INFO)
+        engine_log.propagate = False
 
 
 class RequestInputError(ValueError):
@@ -335,6 +357,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------------------------------
     def initialize(self, args: dict[str, str]) -> None:
         _utf8_text_files()
+        _forward_engine_logs()
         self.model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", "tensorrt_llm")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)

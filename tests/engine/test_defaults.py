@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's defaults: which dtype `auto` picks, when rounds are compiled and where the compile
+cache lives, and the fused projections (one GEMM for q/k/v and for gate/up) equal the separate ones."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_trt.engine import compile as compile_mod
+from dflash_trt.layers.linear import FusedLinear
+from dflash_trt.utils import device as device_mod
+from dflash_trt.utils.device import BF16_MIN_HIDDEN_CPU, resolve_dtype
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "hidden", "native", "want"),
+    [
+        (torch.bfloat16, BF16_MIN_HIDDEN_CPU, True, torch.bfloat16),  # the checkpoint's dtype
+        (torch.float16, 4096, True, torch.bfloat16),  # half: computed in bf16 on CPU
+        (torch.bfloat16, BF16_MIN_HIDDEN_CPU, False, torch.float32),  # emulated bf16: fp32
+        (torch.bfloat16, BF16_MIN_HIDDEN_CPU - 1, True, torch.float32),  # small: per-call costs win
+        (torch.float32, 4096, True, torch.float32),  # never narrower than the checkpoint
+        (None, 4096, True, torch.float32),  # unknown checkpoint dtype
+    ],
+)
+def test_auto_dtype_on_cpu(monkeypatch, checkpoint, hidden, native, want) -> None:
+    monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype(None, CPU, checkpoint_dtype=checkpoint, hidden_size=hidden) == want
+    assert resolve_dtype("auto", CPU, checkpoint_dtype=checkpoint, hidden_size=hidden) == want
+
+
+def test_auto_dtype_on_cuda_and_explicit_names() -> None:
+    assert resolve_dtype(None, CUDA, checkpoint_dtype=torch.float16) == torch.float16
+    assert resolve_dtype(None, CUDA, checkpoint_dtype=torch.float32) == torch.bfloat16
+    assert resolve_dtype("float32", CUDA, checkpoint_dtype=torch.bfloat16) == torch.float32
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    with pytest.raises(Exception, match=r"--dtype='fp8' is not supported.*fix: use one of"):
+        resolve_dtype("fp8", CPU)
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch) -> None:
+    for flags, want in ((frozenset({"avx2", "avx512f"}), False), (frozenset({"avx512_bf16"}), True),
+                        (frozenset({"amx_bf16", "amx_tile"}), True)):  # fmt: skip
+        monkeypatch.setattr(device_mod, "cpu_flags", lambda flags=flags: flags)
+        assert device_mod.cpu_has_native_bf16() is want
+
+
+def test_the_llm_loads_the_checkpoint_dtype_by_the_policy(monkeypatch) -> None:
+    """tiny's checkpoint is bf16 and narrow: float32 by the policy, bf16 when asked."""
+    from dflash_trt.api.llm import LLM
+
+    with LLM("tiny") as llm:
+        assert llm.dtype == torch.float32
+    with LLM("tiny", dtype="bfloat16") as llm:
+        assert llm.dtype == torch.bfloat16
+        assert llm.engine.target.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tmp_path, caplog) -> None:
+    from dflash_trt.api.llm import _compile_wanted
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's own: ours replaces it
+    monkeypatch.setenv(compile_mod.COMPILE_ENV, "0")
+    assert _compile_wanted(None, CPU, str(tmp_path)) is False  # opted out
+    monkeypatch.delenv(compile_mod.COMPILE_ENV)
+    monkeypatch.setattr(compile_mod, "unsupported_reason", lambda device: None)
+    assert _compile_wanted(None, CPU, str(tmp_path)) is True  # the default where it can run
+    cache = tmp_path / compile_mod.machine_key(CPU)
+    assert cache.is_dir() and str(cache) == __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setattr(compile_mod, "unsupported_reason", lambda device: "no C++ compiler on PATH")
+    with caplog.at_level(logging.WARNING):
+        assert _compile_wanted(True, CPU, str(tmp_path)) is False  # asked for, impossible: eager
+    assert "compiled rounds are off: no C++ compiler on PATH" in caplog.text
+    assert _compile_wanted(False, CPU, str(tmp_path)) is False
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept
+    assert compile_mod.use_cache_root(tmp_path / "other", CPU) == tmp_path / "mine"
+
+
+def test_no_compiler_is_a_reason_not_to_compile(monkeypatch) -> None:
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "no C++ compiler" in (compile_mod.unsupported_reason(CPU) or "")
+    assert "not used on meta" in (compile_mod.unsupported_reason(torch.device("meta")) or "")
+
+
+def test_the_cache_is_keyed_by_torch_and_the_cpu_isa(monkeypatch) -> None:
+    import dflash_trt.utils.device as dev
+
+    monkeypatch.setattr(dev, "cpu_flags", lambda: frozenset({"avx2"}))
+    avx2 = compile_mod.machine_key(CPU)
+    monkeypatch.setattr(dev, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    avx512 = compile_mod.machine_key(CPU)
+    assert avx2 != avx512 and torch.__version__.split("+")[0] in avx2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_equals_the_separate_linears_and_shares_their_weights(bias) -> None:
+    torch.manual_seed(0)
+    linears = [nn.Linear(16, n, bias=bias) for n in (8, 4, 4)]
+    x = torch.randn(3, 5, 16)
+    want = [m(x) for m in linears]
+    fused = FusedLinear.of(linears)
+    got = fused(x)
+    for w, g, m in zip(want, got, linears):
+        torch.testing.assert_close(g, w)
+        assert m.weight.data_ptr() != 0 and m.weight.untyped_storage().data_ptr() == (
+            fused.weight.untyped_storage().data_ptr()
+        )  # a view: no second copy of the weights
+    with torch.no_grad():
+        linears[1].weight.add_(1.0)  # an update through the original reaches the fused GEMM
+    torch.testing.assert_close(fused(x)[1], linears[1](x))
+    tail = fused.tail(1)
+    torch.testing.assert_close(torch.cat(tail(x), -1), torch.cat([m(x) for m in linears[1:]], -1))
+    with pytest.raises(ValueError, match="either every linear has a bias or none"):
+        FusedLinear.of([nn.Linear(4, 2, bias=True), nn.Linear(4, 2, bias=False)])
