@@ -216,10 +216,12 @@ def test_engine_fault_under_load_errors_every_client_fails_readiness_and_serve_e
         errors = [_explicit_error(rec) for rec in clients]
         for rec, text in zip(clients, errors):
             assert re.search(cause, text), (rec.kind, text)
-            # every request had reached the engine: none was refused on arrival
-            # ... and failed UNAVAILABLE: Triton's clients read the trailer, OpenAI's the 503 message
-            unavailable = "(error: UNAVAILABLE)" in text or "the model is unavailable: " in text
-            assert "request failed after" in text and unavailable, (rec.kind, text)
+            # UNAVAILABLE: Triton's clients read the trailer, OpenAI's the 503 message
+            assert "(error: UNAVAILABLE)" in text or "the model is unavailable: " in text, (rec.kind, text)
+            # a stream that was generating failed in flight; one that a loaded machine delivered only
+            # after the fault was refused on arrival, naming the same cause (both are explicit errors)
+            if rec.last_data is not None:
+                assert "request failed after" in text, (rec.kind, text)
         running = [rec.last_data for rec in clients if rec.last_data is not None]
         assert len(running) >= C // 2  # streams were generating when the fault came
         fault_at = max(running)  # the engine's last output anywhere: the fault came right after it
