@@ -59,11 +59,9 @@ def test_op_equals_the_native_targets_tree_attention(tmp_path, arch, monkeypatch
 
     original = Attention.forward
 
-    def with_op(self, x, cos, sin, cache, slots, ctx_index, mask):
+    def with_op(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask):
         bsz, t, _ = x.shape
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         from dflash_trt.layers.rope import apply_rope
@@ -71,7 +69,7 @@ def test_op_equals_the_native_targets_tree_attention(tmp_path, arch, monkeypatch
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = native.config.layer_window(self.layer) or 0
         out = torch.ops.dflash.tree_attention(
-            q, k, v, cache.k[self.layer], cache.v[self.layer], ctx_index, starts, tree.depths,
+            q, k, v, k_pool, v_pool, ctx_index, starts, tree.depths,
             tree.visibility, window, self.head_dim**-0.5, self.sinks,
         )  # fmt: skip
         return self.o_proj(out.reshape(bsz, t, -1))
