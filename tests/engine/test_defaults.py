@@ -63,9 +63,9 @@ def test_the_llm_loads_the_checkpoint_dtype_by_the_policy(monkeypatch) -> None:
 
 
 def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tmp_path, caplog) -> None:
-    from dflash_trt.api.llm import _compile_wanted
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from dflash_trt.api.llm import _compile_wanted
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's own: ours replaces it
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "0")
