@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Summarise a bench/compare_vllm_cpu.sh run: output tok/s per concurrency for every run, the best of
-repeated peer runs, and ours / peer ratios taken from this one run.
+"""Summarise a bench/compare_vllm_cpu.sh or bench/compare_llamacpp.sh run: output tok/s per
+concurrency for every run, the best of repeated peer runs, and ours / peer ratios taken from this
+one run (with --peer llama also ours against the peer's best configuration, whatever its mode).
 
-usage: .venv/bin/python bench/compare_summary.py OUT [--json FILE]
+usage: .venv/bin/python bench/compare_summary.py OUT [--peer vllm|llama] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ def load_runs(out: Path) -> dict[str, dict[int, dict[str, float]]]:
     return runs
 
 
-def best_of(runs: dict[str, dict[int, dict[str, float]]], prefix: str) -> dict[int, float]:
-    """Per concurrency, the best output tok/s over the runs named prefix-N (repeated peer runs)."""
+def best_of(
+    runs: dict[str, dict[int, dict[str, float]]], prefix: str, *, any_suffix: bool = False
+) -> dict[int, float]:
+    """Per concurrency, the best output tok/s over the runs named prefix-N (repeated peer runs), or
+    over every run whose name starts with `prefix` (`any_suffix`: all of a peer's configurations)."""
     best: dict[int, float] = {}
     for label, points in runs.items():
-        if re.fullmatch(re.escape(prefix) + r"(-\d+)?", label):
+        if label.startswith(prefix) if any_suffix else re.fullmatch(re.escape(prefix) + r"(-\d+)?", label):
             for c, p in points.items():
                 best[c] = max(best.get(c, 0.0), p["tok_s"])
     return best
@@ -41,6 +45,7 @@ def best_of(runs: dict[str, dict[int, dict[str, float]]], prefix: str) -> dict[i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--peer", default="vllm", help="the peer's run-name prefix (vllm, llama)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     runs = load_runs(args.out)
@@ -55,14 +60,16 @@ def main() -> None:
             + "".join(f"{points[c]['tok_s']:10.1f}" if c in points else f"{'-':>10s}" for c in conc)
         )
     ratios: dict[str, dict[int, float]] = {}
-    for mode in ("dflash", "ar"):
-        peer = best_of(runs, f"vllm-{mode}")
+    targets = [(mode, f"{args.peer}-{mode}", False) for mode in ("dflash", "ar")]
+    targets.append(("dflash", f"{args.peer}-", True))  # the peer's best configuration, any mode
+    for mode, prefix, any_suffix in targets:
+        peer = best_of(runs, prefix, any_suffix=any_suffix)
         if not peer:
             continue
+        name = f"best {args.peer} (any)" if any_suffix else f"best {prefix}"
         for label in sorted(runs):
             if label.startswith("ours-") and label.endswith(f"-{mode}"):
-                key = f"{label} / best vllm-{mode}"
-                ratios[key] = {
+                ratios[f"{label} / {name}"] = {
                     c: runs[label][c]["tok_s"] / peer[c] for c in conc if c in runs[label] and peer.get(c)
                 }
     if ratios:

@@ -258,15 +258,33 @@ class _HttpClient(Client):
             raise _unreachable(self.url, exc, self.default_port) from exc
 
     async def _stream(self, path: str, payload: bytes, raw: RawResult) -> AsyncIterator[tuple[float, Any]]:
-        """POST and yield (time, parsed event); errors land in raw.error."""
+        """POST and yield (time, parsed event); errors land in raw.error. A POST that fails before
+        the server answered, on a kept-alive connection the server had closed (llama-server closes
+        one after each streamed response although it advertises keep-alive), is sent again on a
+        fresh connection, up to RESEND_ATTEMPTS times: the server never saw it. The request's clock
+        keeps its first send time."""
         raw.send_t = time.perf_counter()
+        for attempt in range(RESEND_ATTEMPTS + 1):
+            answered: list[bool] = []
+            async for event in self._post_once(path, payload, raw, answered):
+                yield event
+            if answered or raw.error is None or attempt == RESEND_ATTEMPTS or not _never_sent(raw.error):
+                break
+            raw.error = None
+            raw.resends += 1
+        raw.done_t = time.perf_counter()
+
+    async def _post_once(
+        self, path: str, payload: bytes, raw: RawResult, answered: list[bool]
+    ) -> AsyncIterator[tuple[float, Any]]:
+        """One POST; `answered` gets an entry once the server's status line arrived."""
         try:
             async with self._session.post(
                 self.url + path, data=payload, headers={"Content-Type": "application/json"}
             ) as resp:
+                answered.append(True)
                 if resp.status != 200:
                     raw.error = f"HTTP {resp.status}: {_error_body(await resp.text())}"
-                    raw.done_t = time.perf_counter()
                     return
                 async for t, data in iter_sse(resp.content):
                     if data == b"[DONE]":
@@ -283,7 +301,16 @@ class _HttpClient(Client):
                     yield t, obj
         except (self._aiohttp.ClientError, OSError, TimeoutError) as exc:
             raw.error = f"{type(exc).__name__}: {exc}"[:300]
-        raw.done_t = time.perf_counter()
+
+
+# A request that failed before the server answered, on a connection it had already closed, is sent
+# again (the server never saw it); these are aiohttp's words for that case.
+RESEND_ATTEMPTS = 2
+_NEVER_SENT = ("Can not write request body",)
+
+
+def _never_sent(error: str) -> bool:
+    return any(s in error for s in _NEVER_SENT)
 
 
 class TritonHttpClient(_HttpClient):

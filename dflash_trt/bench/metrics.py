@@ -108,6 +108,7 @@ class RawResult:
     input_tokens_server: int | None = None
     finish_reason: str | None = None
     spec: dict[str, float] = field(default_factory=dict)  # latest server perf metrics
+    resends: int = 0  # sent again after failing before the server answered (a closed keep-alive)
 
     def add_delta(self, t: float, count: int | None, piece: str) -> None:
         self.times.append(t)

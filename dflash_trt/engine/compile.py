@@ -93,13 +93,18 @@ def use_cache_root(root: str | os.PathLike[str] | None, device: torch.device) ->
 
 
 def compile_round(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
-    """`fn` (the runner's round) through torch.compile with the options for `device`.
-
-    Batch size 1 would otherwise get a graph of its own (torch specialises sizes of 0 and 1 by
-    default): size-oblivious shapes keep it symbolic, so one graph serves every batch size. The flag
-    is process-wide and only affects how later compilations treat sizes of 1."""
+    """`fn` (the runner's round) through torch.compile with dynamic shapes. Call it inside
+    `shape_rules()`, where compilation happens (on the first call of each shape class)."""
     import torch
+
+    return torch.compile(fn, dynamic=True)
+
+
+def shape_rules() -> Any:
+    """The symbolic-shape rules the round is compiled and guarded under: sizes of 1 (a batch of one,
+    a context of one page) stay symbolic instead of being specialised, so the general graph serves
+    them. A context manager (torch's setting is process-wide: it is set only around our calls, so
+    other torch.compile users in the process keep torch's defaults)."""
     import torch.fx.experimental._config as fx_config
 
-    fx_config.backed_size_oblivious = os.environ.get("OBL", "1") == "1"
-    return torch.compile(fn, dynamic=True)
+    return fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]

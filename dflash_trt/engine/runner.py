@@ -19,7 +19,6 @@ Padding rows point at page 0, which no sequence owns.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -332,23 +331,19 @@ class ModelRunner:
         rows = torch.tensor([p[:width] + [0] * (width - min(width, len(p))) for p in tables], device=dev)
         if self.compiled:  # the page width grows with the context: one graph for every width
             torch._dynamo.mark_dynamic(rows, 1)
+        if not self.compiled:
+            return self._round_fn(*self._round_args(t, rows), g=g, flags=flags)
+        from dflash_trt.engine.compile import shape_rules
+
         stance = "eager_on_recompile" if self._no_recompile else "default"
-        with torch.compiler.set_stance(stance) if self.compiled else contextlib.nullcontext():
-            return self._round_fn(
-                t["anchors"],
-                t["starts"],
-                t["block_lens"],
-                rows,
-                t["num_pending"],
-                t["rows"],
-                t["seeds"],
-                t["temps"].float(),
-                t["top_k"],
-                t["top_p"].float(),
-                t["greedy_draft"],
-                g=g,
-                flags=flags,
-            )
+        with torch.compiler.set_stance(stance), shape_rules():
+            return self._round_fn(*self._round_args(t, rows), g=g, flags=flags)
+
+    @staticmethod
+    def _round_args(t: dict[str, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The round's tensor arguments, in `_round_core`'s order."""
+        return (t["anchors"], t["starts"], t["block_lens"], rows, t["num_pending"], t["rows"], t["seeds"],
+                t["temps"].float(), t["top_k"], t["top_p"].float(), t["greedy_draft"])  # fmt: skip
 
     def _round_core(
         self,

@@ -28,8 +28,20 @@ def test_ratios_use_the_peers_best_run(tmp_path):
     assert "ours-eager-dflash" in out.stdout and "vllm-dflash-2" in out.stdout
     ratios = json.loads((tmp_path / "s.json").read_text())["ratios"]
     assert ratios == {
-        "ours-eager-dflash / best vllm-dflash": {"1": 1.5, "4": 0.8}
+        "ours-eager-dflash / best vllm-dflash": {"1": 1.5, "4": 0.8},
+        "ours-eager-dflash / best vllm (any)": {"1": 1.5, "4": 0.8},
     }  # no vllm-ar run: no AR ratio
+
+
+def test_against_a_peers_best_configuration_whatever_its_mode(tmp_path):
+    _run(tmp_path, "ours-default-dflash", {1: 600.0})
+    _run(tmp_path, "llama-dflash-n15", {1: 500.0})
+    _run(tmp_path, "llama-dflash-n3", {1: 800.0})
+    _run(tmp_path, "llama-ar", {1: 1000.0})
+    subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path), "--peer", "llama",
+                    "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=True)  # fmt: skip
+    ratios = json.loads((tmp_path / "s.json").read_text())["ratios"]
+    assert ratios == {"ours-default-dflash / best llama (any)": {"1": 0.6}}  # llama's plain decoding wins
 
 
 def test_empty_directory_is_an_error(tmp_path):

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Side by side on this machine, in one run: `dflash-trt serve` as shipped (real Triton + embedded engine,
+# OpenAI front) and llama.cpp's `llama-server` (plain decoding and its own DFlash at several draft lengths),
+# on the same pair (the packaged `tiny`, converted to GGUF), the same held-out prompts, 128 output tokens,
+# greedy, ignore_eos, the same client (`dflash-trt bench sweep --protocol openai-completions`), one server
+# at a time. The project ships no llama.cpp code: the binary and the GGUF files come from the caller, or from
+# ../shared/peers/llamacpp-setup.sh (run when they are missing and the script exists).
+#
+# usage (project root, after `make venv`):  bash bench/compare_llamacpp.sh [OUT]
+#   env: LLAMA_SERVER (llama-server binary)  TARGET_GGUF  DRAFTER_GGUF  (default: llamacpp-setup.sh's outputs
+#        under PEER_DIR, default /tmp/peer/llamacpp)
+#        CONC (default 1,4,16)  NREQ (default 16)  THREADS (llama.cpp -t, default: all cores)
+#        DRAFTS (llama.cpp draft lengths, default "15 7 3")  OURS (default "default": `serve`, no flag; add
+#        "eager" for `serve --eager`)
+# Writes OUT/<label>/ sweep directories, OUT/config.txt and OUT/summary.txt (bench/compare_summary.py --peer llama).
+set -u
+OUT=${1:-bench/runs/llamacpp-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-16}; THREADS=${THREADS:-$(nproc)}
+DRAFTS=${DRAFTS:-15 7 3}; OURS=${OURS:-default}
+PEER_DIR=${PEER_DIR:-/tmp/peer/llamacpp}
+SETUP=${SETUP:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/llamacpp-setup.sh}
+LLAMA_SERVER=${LLAMA_SERVER:-$PEER_DIR/llama.cpp/build/bin/llama-server}
+TARGET_GGUF=${TARGET_GGUF:-$PEER_DIR/gguf/tiny-target-f32.gguf}
+DRAFTER_GGUF=${DRAFTER_GGUF:-$PEER_DIR/gguf/tiny-drafter-f32.gguf}
+CLI=$PWD/.venv/bin/dflash-trt
+if [ ! -x "$LLAMA_SERVER" ] || [ ! -s "$TARGET_GGUF" ] || [ ! -s "$DRAFTER_GGUF" ]; then
+  if [ -f "$SETUP" ]; then
+    echo "llama.cpp or the GGUF files are missing: running $SETUP (builds llama.cpp, converts tiny)" >&2
+    bash "$SETUP" "$PEER_DIR" || { echo "error: $SETUP failed" >&2; exit 1; }
+  else
+    echo "error: LLAMA_SERVER=$LLAMA_SERVER, TARGET_GGUF or DRAFTER_GGUF missing; fix: set them, or provide $SETUP" >&2
+    exit 2
+  fi
+fi
+rm -rf "$OUT"; mkdir -p "$OUT"
+COMMON=(--tokenizer tiny --dataset bench/datasets/tiny-python-heldout.jsonl --osl 128 --concurrency "$CONC"
+        --num-requests "$NREQ" --warmup 2 --temperature 0 --ignore-eos --request-timeout 300 --overwrite
+        --protocol openai-completions --model tiny)
+# wait_url URL SECONDS PID: ready, or give up when the server process is gone
+wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; kill -0 "$3" 2>/dev/null || return 1; sleep 1; done; return 1; }
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), native bf16: $(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo yes || echo no), load $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS"
+  echo "peer: llama.cpp $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version | xargs), -t $THREADS, f32 GGUF ($TARGET_GGUF, $DRAFTER_GGUF), DFlash draft lengths: $DRAFTS"
+  echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point"
+} | tee "$OUT/config.txt"
+"$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
+sweep() { local label=$1 url=$2; "$CLI" bench sweep --url "$url" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"; }
+llama() { local label=$1; shift
+  "$LLAMA_SERVER" -m "$TARGET_GGUF" --host 127.0.0.1 --port 18400 --alias tiny -t "$THREADS" -tb "$THREADS" -c 32768 -np 16 "$@" >"$OUT/$label.log" 2>&1 &
+  local pid=$!
+  wait_url http://127.0.0.1:18400/health 120 $pid && sweep "$label" http://127.0.0.1:18400
+  kill $pid; wait $pid 2>/dev/null; sleep 1; }
+ours() { local label=$1; shift
+  "$CLI" serve --bundle "$OUT/bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 --openai-port 18203 \
+    --openai-model-name tiny --ready-timeout 1800 "$@" >"$OUT/$label.log" 2>&1 &
+  local pid=$!
+  wait_url http://127.0.0.1:18203/v1/models 1800 $pid && sweep "$label" http://127.0.0.1:18203
+  kill $pid; wait $pid 2>/dev/null; sleep 1; }
+llama llama-ar
+for n in $DRAFTS; do
+  llama "llama-dflash-n$n" -md "$DRAFTER_GGUF" --spec-type draft-dflash --spec-draft-n-max "$n" -td "$THREADS" -tbd "$THREADS"
+done
+for variant in $OURS; do
+  flags=(); [ "$variant" = eager ] && flags=(--eager)
+  ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
+done
+.venv/bin/python bench/compare_summary.py "$OUT" --peer llama --json "$OUT/summary.json" | tee "$OUT/summary.txt"
