@@ -12,7 +12,7 @@ weight-streaming floor and, when it is installed, vLLM-CPU's offline `LLM`, in o
                the engine runs (vLLM's floor: bfloat16). At batch B, the floor is B x steps/s tok/s.
   ours         `dflash_trt.LLM(target)` without speculative_config and with LLM's defaults
                (dtype='auto', compile=None; --also-eager adds compile=False), greedy, ignore_eos,
-               --max-tokens new tokens per prompt, --prompt-len-token prompts (the tiny pair's
+               --max-tokens new tokens per prompt, prompts of --prompt-len tokens (the tiny pair's
                held-out prompts, cut), all B prompts in one generate() call; after a warm-up call
                of the same batch, the best of --repeats timed calls. tok/s = generated tokens / s.
   vLLM         bench/vllm_offline.py in vLLM's venv (--vllm-python): `LLM(model=target,
