@@ -70,6 +70,19 @@ class DraftAttention(nn.Module):
         k, v = self.kv(x)
         return self._kv_heads(k, v, cos, sin)
 
+    def project_block(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's q [..., H, d] (normalised and rotated), k and v [..., Hkv, d] as the drafter
+        computes them (one fused GEMM after fuse()); the drafting plugin calls this too."""
+        if self.qkv is None:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        else:
+            q, k, v = self.qkv(h)
+        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
+        k, v = self._kv_heads(k, v, cos, sin)
+        return q, k, v
+
     def forward(
         self,
         h: torch.Tensor,
@@ -82,14 +95,7 @@ class DraftAttention(nn.Module):
         """h: [bs, B, D] (input-normalised block); cos/sin: [bs, B, d];
         ctx_k/ctx_v: [bs, Lc, Hkv, d] cached context; mask: [bs, 1, B or 1, Lc + B] bool."""
         bs, blk, _ = h.shape
-        if self.qkv is None:
-            q, k_blk, v_blk = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        else:
-            q, k_blk, v_blk = self.qkv(h)
-        q = apply_rope(
-            self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin
-        )  # [bs, B, H, d]
-        k_blk, v_blk = self._kv_heads(k_blk, v_blk, cos, sin)  # [bs, B, Hkv, d]
+        q, k_blk, v_blk = self.project_block(h, cos, sin)  # [bs, B, H, d], [bs, B, Hkv, d] x 2
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(

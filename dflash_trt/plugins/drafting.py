@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from dflash_trt.layers.rope import apply_rope
 from dflash_trt.plugins import load_ops
 from dflash_trt.spec import accept as verify
 
@@ -118,9 +117,7 @@ class DrafterPlugins:
             h = layer.input_layernorm(x)  # [bs, B, D]
             if convs is not None:
                 h, coeff = conv_prepare(convs[0], h)
-            q = a.q_norm(a.q_proj(h).unflatten(-1, (a.num_heads, a.head_dim)))  # [bs, B, H, d]
-            q = apply_rope(q, cos, sin)
-            k_blk, v_blk = a.project_kv(h, cos, sin)  # [bs, B, Hkv, d]
+            q, k_blk, v_blk = a.project_block(h, cos, sin)  # [bs, B, H, d], [bs, B, Hkv, d] x 2
             o = torch.ops.dflash.block_attention(
                 q,
                 k_blk,
