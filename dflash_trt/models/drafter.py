@@ -33,12 +33,6 @@ from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
 from dflash_trt.models.dflash_config import DFlashConfig
 
 
-# The context's k/v stay two GEMMs: the drafting plugin's injection kernel computes them from the
-# separate k_proj/v_proj weights, and one fused GEMM rounds differently from those (so kernels and
-# references would no longer agree draft for draft).
-FUSE_CONTEXT_KV = False
-
-
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -61,7 +55,7 @@ class DraftAttention(nn.Module):
     def fuse(self) -> None:
         """Run the block's q/k/v and the context's k/v as one GEMM each (inference only)."""
         self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
-        self.kv = self.qkv.tail(1) if FUSE_CONTEXT_KV else None
+        self.kv = self.qkv.tail(1)
 
     def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
