@@ -221,8 +221,8 @@ class TritonServer:
         while True:
             if self.proc.poll() is not None:
                 raise DFlashTrtError(
-                    f"tritonserver exited with code {self.proc.returncode} before it was ready; last log lines: "
-                    + " | ".join(list(self.logs)[-8:]),
+                    f"tritonserver exited with code {self.proc.returncode} before it was ready; "
+                    + _failure_summary(list(self.logs)),
                     hint="check the model repository and the server log above",
                 )
             try:
@@ -234,8 +234,7 @@ class TritonServer:
             if time.monotonic() - t0 > timeout:
                 self.stop()
                 raise DFlashTrtError(
-                    f"tritonserver was not ready after {timeout:.0f} s; last log lines: "
-                    + " | ".join(list(self.logs)[-8:]),
+                    f"tritonserver was not ready after {timeout:.0f} s; " + _failure_summary(list(self.logs)),
                     hint="raise --ready-timeout for large models, or check the log for a load error",
                 )
             time.sleep(0.25)
@@ -370,3 +369,11 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
         return self.stop(timeout=5)
+
+
+def _failure_summary(lines: list[str]) -> str:
+    """What to show of the server log when it failed to come up: the model's load error (Triton's
+    "failed to load" line, which carries the exception's message) and the last lines."""
+    load = [line for line in lines if "failed to load '" in line][-1:]
+    return "; ".join([*(f"model load error: {line.strip()}" for line in load),
+                      "last log lines: " + " | ".join(lines[-8:])])  # fmt: skip
