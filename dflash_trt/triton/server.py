@@ -44,6 +44,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -374,6 +375,6 @@ class TritonServer:
 def _failure_summary(lines: list[str]) -> str:
     """What to show of the server log when it failed to come up: the model's load error (Triton's
     "failed to load" line, which carries the exception's message) and the last lines."""
-    load = [line for line in lines if "failed to load '" in line][-1:]
+    load = [line for line in lines if re.search(r"failed to load '[^']*' version \d+: ", line)][-1:]
     return "; ".join([*(f"model load error: {line.strip()}" for line in load),
                       "last log lines: " + " | ".join(lines[-8:])])  # fmt: skip
