@@ -45,7 +45,7 @@ wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; 
   echo "peer: llama.cpp $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version | xargs), -t $THREADS, f32 GGUF ($TARGET_GGUF, $DRAFTER_GGUF), DFlash draft lengths: $DRAFTS"
   echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point"
 } | tee "$OUT/config.txt"
-"$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
+[ -d "$OUT/bundle" ] || "$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
 sweep() { local label=$1 url=$2 conc=$3
   "$CLI" bench sweep --url "$url" --label "$label" --out "$OUT/$label" --concurrency "$conc" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 \
     || echo "$label failed (see $OUT/$label.log)"; }
