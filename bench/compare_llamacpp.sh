@@ -11,12 +11,12 @@
 #   env: LLAMA_SERVER (llama-server binary)  TARGET_GGUF  DRAFTER_GGUF  (default: llamacpp-setup.sh's outputs
 #        under PEER_DIR, default /tmp/peer/llamacpp)
 #        CONC (default 1,4,16)  NREQ (default 16)  THREADS (llama.cpp -t, default: all cores)
-#        DRAFTS (llama.cpp draft lengths, default "15 7 3")  OURS (default "default": `serve`, no flag; add
+#        DRAFTS (llama.cpp draft lengths, default "15 7 3")  PARTS (default "llama ours": which servers run)  OURS (default "default": `serve`, no flag; add
 #        "eager" for `serve --eager`)
 # Writes OUT/<label>/ sweep directories, OUT/config.txt and OUT/summary.txt (bench/compare_summary.py --peer llama).
 set -u
 OUT=${1:-bench/runs/llamacpp-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-16}; THREADS=${THREADS:-$(nproc)}
-DRAFTS=${DRAFTS:-15 7 3}; OURS=${OURS:-default}
+DRAFTS=${DRAFTS:-15 7 3}; OURS=${OURS:-default}; PARTS=${PARTS:-llama ours}
 PEER_DIR=${PEER_DIR:-/tmp/peer/llamacpp}
 SETUP=${SETUP:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/llamacpp-setup.sh}
 LLAMA_SERVER=${LLAMA_SERVER:-$PEER_DIR/llama.cpp/build/bin/llama-server}
@@ -32,8 +32,8 @@ if [ ! -x "$LLAMA_SERVER" ] || [ ! -s "$TARGET_GGUF" ] || [ ! -s "$DRAFTER_GGUF"
     exit 2
   fi
 fi
-rm -rf "$OUT"; mkdir -p "$OUT"
-COMMON=(--tokenizer tiny --dataset bench/datasets/tiny-python-heldout.jsonl --osl 128 --concurrency "$CONC"
+mkdir -p "$OUT"
+COMMON=(--tokenizer tiny --dataset bench/datasets/tiny-python-heldout.jsonl --osl 128
         --num-requests "$NREQ" --warmup 2 --temperature 0 --ignore-eos --request-timeout 300 --overwrite
         --protocol openai-completions --model tiny)
 # wait_url URL SECONDS PID: ready, or give up when the server process is gone
@@ -45,25 +45,37 @@ wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; 
   echo "peer: llama.cpp $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version | xargs), -t $THREADS, f32 GGUF ($TARGET_GGUF, $DRAFTER_GGUF), DFlash draft lengths: $DRAFTS"
   echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point"
 } | tee "$OUT/config.txt"
-"$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
-sweep() { local label=$1 url=$2; "$CLI" bench sweep --url "$url" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"; }
+[ -d "$OUT/bundle" ] || "$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
+sweep() { local label=$1 url=$2 conc=$3
+  "$CLI" bench sweep --url "$url" --label "$label" --out "$OUT/$label" --concurrency "$conc" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 \
+    || echo "$label failed (see $OUT/$label.log)"; }
+# llama-server runs once per concurrency with as many slots (-np) as requests in flight: more slots than
+# that slow it down (its c=1 with 16 slots ran at ~0.6x its c=1 with 1). Runs are named LABEL-<slots>,
+# and compare_summary.py takes the best of them per concurrency, as for repeated runs.
 llama() { local label=$1; shift
-  "$LLAMA_SERVER" -m "$TARGET_GGUF" --host 127.0.0.1 --port 18400 --alias tiny -t "$THREADS" -tb "$THREADS" -c 32768 -np 16 "$@" >"$OUT/$label.log" 2>&1 &
-  local pid=$!
-  wait_url http://127.0.0.1:18400/health 120 $pid && sweep "$label" http://127.0.0.1:18400
-  kill $pid; wait $pid 2>/dev/null; sleep 1; }
+  for c in ${CONC//,/ }; do
+    "$LLAMA_SERVER" -m "$TARGET_GGUF" --host 127.0.0.1 --port 18400 --alias tiny -t "$THREADS" -tb "$THREADS" \
+      -c $((2048 * c)) -np "$c" "$@" >"$OUT/$label-$c.log" 2>&1 &
+    local pid=$!
+    wait_url http://127.0.0.1:18400/health 120 $pid && sweep "$label-$c" http://127.0.0.1:18400 "$c"
+    kill $pid; wait $pid 2>/dev/null; sleep 1
+  done; }
 ours() { local label=$1; shift
   "$CLI" serve --bundle "$OUT/bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 --openai-port 18203 \
     --openai-model-name tiny --ready-timeout 1800 "$@" >"$OUT/$label.log" 2>&1 &
   local pid=$!
-  wait_url http://127.0.0.1:18203/v1/models 1800 $pid && sweep "$label" http://127.0.0.1:18203
+  wait_url http://127.0.0.1:18203/v1/models 1800 $pid && sweep "$label" http://127.0.0.1:18203 "$CONC"
   kill $pid; wait $pid 2>/dev/null; sleep 1; }
-llama llama-ar
-for n in $DRAFTS; do
-  llama "llama-dflash-n$n" -md "$DRAFTER_GGUF" --spec-type draft-dflash --spec-draft-n-max "$n" -td "$THREADS" -tbd "$THREADS"
-done
-for variant in $OURS; do
-  flags=(); [ "$variant" = eager ] && flags=(--eager)
-  ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
-done
+if [[ " $PARTS " == *" llama "* ]]; then
+  llama llama-ar
+  for n in $DRAFTS; do
+    llama "llama-dflash-n$n" -md "$DRAFTER_GGUF" --spec-type draft-dflash --spec-draft-n-max "$n" -td "$THREADS" -tbd "$THREADS"
+  done
+fi
+if [[ " $PARTS " == *" ours "* ]]; then
+  for variant in $OURS; do
+    flags=(); [ "$variant" = eager ] && flags=(--eager)
+    ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
+  done
+fi
 .venv/bin/python bench/compare_summary.py "$OUT" --peer llama --json "$OUT/summary.json" | tee "$OUT/summary.txt"

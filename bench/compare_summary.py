@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 
@@ -32,11 +31,12 @@ def load_runs(out: Path) -> dict[str, dict[int, dict[str, float]]]:
 def best_of(
     runs: dict[str, dict[int, dict[str, float]]], prefix: str, *, any_suffix: bool = False
 ) -> dict[int, float]:
-    """Per concurrency, the best output tok/s over the runs named prefix-N (repeated peer runs), or
-    over every run whose name starts with `prefix` (`any_suffix`: all of a peer's configurations)."""
+    """Per concurrency, the best output tok/s over the runs named `prefix` or `prefix-...` (repeated
+    peer runs, or its variants: draft lengths, slot counts), or over every run whose name starts with
+    `prefix` (`any_suffix`: all of a peer's configurations, whatever the mode)."""
     best: dict[int, float] = {}
     for label, points in runs.items():
-        if label.startswith(prefix) if any_suffix else re.fullmatch(re.escape(prefix) + r"(-\d+)?", label):
+        if label.startswith(prefix) if any_suffix else (label == prefix or label.startswith(prefix + "-")):
             for c, p in points.items():
                 best[c] = max(best.get(c, 0.0), p["tok_s"])
     return best

@@ -41,7 +41,10 @@ def test_against_a_peers_best_configuration_whatever_its_mode(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path), "--peer", "llama",
                     "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=True)  # fmt: skip
     ratios = json.loads((tmp_path / "s.json").read_text())["ratios"]
-    assert ratios == {"ours-default-dflash / best llama (any)": {"1": 0.6}}  # llama's plain decoding wins
+    assert ratios == {
+        "ours-default-dflash / best llama-dflash": {"1": 0.75},  # its best draft length
+        "ours-default-dflash / best llama (any)": {"1": 0.6},  # llama's plain decoding wins
+    }
 
 
 def test_empty_directory_is_an_error(tmp_path):
