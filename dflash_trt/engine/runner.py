@@ -426,14 +426,9 @@ class ModelRunner:
         g = bq - 1
         masks = torch.full((bs, g), self.mask_token_id, dtype=torch.long, device=anchors.device)
         block = torch.cat([anchors[:, None], masks], dim=1)  # [bs, Bq]: the anchor, then g mask tokens
+        ctx_lens = block_pos[:, 0].contiguous()  # the anchors' positions; kernels index it flat
         hidden = (self.plugins or self.drafter).forward_block(
-            # context lengths = the anchors' positions, as a contiguous tensor (kernels index it flat)
-            self.draft_cache,
-            self.drafter.embed_block(block),
-            block_pos,
-            ctx_idx,
-            block_pos[:, 0].contiguous(),
-            block_lens,
+            self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, ctx_lens, block_lens
         )  # [bs, Bq, D]
         # A copy, not a view of rows 1.. (a view's reshape would depend on whether bs is 1).
         d_logits = self.drafter.compute_logits(hidden[:, 1:].clone(memory_format=torch.contiguous_format))

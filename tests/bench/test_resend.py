@@ -55,12 +55,14 @@ class _Session:
         return _Response(self.events)
 
 
-def _run(failures: list[BaseException]) -> tuple[RawResult, list, int]:
+def _run(failures: list[BaseException], session: _Session | None = None) -> tuple[RawResult, list, int]:
+    """One request through the OpenAI client's stream, on `session` (default: one that fails with
+    `failures` before answering, then streams one event)."""
     client = make_client("openai-completions", "http://127.0.0.1:9", "m", Sampling(), request_timeout_s=5,
                          max_streams=1)  # fmt: skip
     client._aiohttp = aiohttp  # type: ignore[attr-defined]
     event = {"choices": [{"text": "hi", "index": 0, "finish_reason": None}]}
-    client._session = _Session(failures, [json.dumps(event).encode(), b"[DONE]"])  # type: ignore[attr-defined]
+    client._session = session or _Session(failures, [json.dumps(event).encode(), b"[DONE]"])  # type: ignore[attr-defined]
     raw = RawResult(index=0)
 
     async def go() -> list:
@@ -89,22 +91,16 @@ def test_resends_are_bounded_and_other_failures_are_errors() -> None:
 
 
 def test_a_server_answer_is_never_resent() -> None:
-    class _Failing(_Response):
+    class _Busy(_Response):
         status = 503
 
         async def text(self) -> str:
             return "busy"
 
-    client = make_client("openai-completions", "http://127.0.0.1:9", "m", Sampling(), request_timeout_s=5,
-                         max_streams=1)  # fmt: skip
-    client._aiohttp = aiohttp  # type: ignore[attr-defined]
-    session = _Session([], [])
-    session.post = lambda *a, **k: (setattr(session, "posts", session.posts + 1), _Failing([]))[1]  # type: ignore[method-assign]
-    client._session = session  # type: ignore[attr-defined]
-    raw = RawResult(index=0)
+    class _BusySession(_Session):
+        def post(self, *args: object, **kwargs: object) -> _Response:
+            self.posts += 1
+            return _Busy([])
 
-    async def go() -> list:
-        return [e async for e in client._stream("/v1/completions", b"{}", raw)]  # type: ignore[attr-defined]
-
-    assert asyncio.run(go()) == []
-    assert session.posts == 1 and raw.resends == 0 and (raw.error or "").startswith("HTTP 503")
+    raw, events, posts = _run([], _BusySession([], []))
+    assert events == [] and posts == 1 and raw.resends == 0 and (raw.error or "").startswith("HTTP 503")
