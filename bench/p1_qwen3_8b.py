@@ -123,11 +123,11 @@ def _timed_rounds(llm: Any, prompts: list[list[int]], max_tokens: int, device: s
     log: list[tuple[int, float]] = []
     real = runner.decode_round
 
-    def timed(reqs: Any, draft_len: int) -> Any:
+    def timed(reqs: Any, draft_len: int, *rest: Any) -> Any:
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = real(reqs, draft_len)  # ends in the host read-back: the round is complete
+        out = real(reqs, draft_len, *rest)  # ends in the host read-back: the round is complete
         log.append((len(reqs), time.perf_counter() - t0))
         return out
 

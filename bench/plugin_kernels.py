@@ -256,10 +256,10 @@ def _engine_rows(args: argparse.Namespace, batch_sizes: list[int]) -> list[dict[
         per_round: list[tuple[int, float]] = []
         real = runner.decode_round
 
-        def timed(seqs, draft_len, _real=real, _log=per_round):
+        def timed(seqs, draft_len, tree_budget=0, _real=real, _log=per_round):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = _real(seqs, draft_len)  # ends in the host read-back: the round is complete
+            out = _real(seqs, draft_len, tree_budget)  # ends in the host read-back: the round is complete
             _log.append((len(seqs), time.perf_counter() - t0))
             return out
 

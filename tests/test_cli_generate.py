@@ -17,6 +17,9 @@ CONTRACT = {
     "mean_acceptance_length": float,
     "ttft_s": float,
     "decode_s": float,
+    "num_draft_tokens": int,
+    "num_overturned_draft_tokens": int,
+    "overturn_rate": float,
 }
 
 
@@ -192,3 +195,23 @@ def test_embedded_engine_equals_reference_loop(tmp_models, cli, arch):
         outs[engine] = json.loads(out)
     assert outs["embedded"]["output_ids"] == outs["reference"]["output_ids"]
     assert outs["embedded"]["acceptance_lengths"] == outs["reference"]["acceptance_lengths"]
+
+
+def test_dflash2_drafter_through_the_embedded_engine(cli):
+    """`--drafter tiny-dflash2` on the embedded engine: the reference loop's tokens, rounds and overturned
+    picks (greedy and sampled), plain decoding's tokens when greedy, the overturn rate in the JSON."""
+    base = ["generate", "--target", "tiny", "--drafter", "tiny-dflash2", "--prompt", "def fib(n):",
+            "--max-new-tokens", "48", "--ignore-eos", "--json"]  # fmt: skip
+    plain = json.loads(cli([*base, "--no-draft"])[1])
+    for sampling in ([], ["--temperature", "0.7", "--seed", "5"]):
+        code, out, err = cli([*base, *sampling, "--engine", "embedded"])
+        assert code == 0, err
+        code, ref_out, err = cli([*base, *sampling, "--engine", "reference"])
+        assert code == 0, err
+        got, ref = json.loads(out), json.loads(ref_out)
+        for key in ("output_ids", "acceptance_lengths", "num_draft_tokens", "num_overturned_draft_tokens"):
+            assert got[key] == ref[key], key
+        assert got["num_overturned_draft_tokens"] > 0
+        assert got["overturn_rate"] == got["num_overturned_draft_tokens"] / got["num_draft_tokens"]
+        if not sampling:
+            assert got["output_ids"] == plain["output_ids"] and plain["overturn_rate"] == 0.0

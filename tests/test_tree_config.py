@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The `tree_budget` extension of the DFlash speculative config, end to end through the user-facing
-entry points: the config class, LLM(...) (refused until the engine verifies trees), build (the
-torch backend writes it into the bundle's engine config; trtllm refuses it before reading any
-config), serve (a real tritonserver whose Triton model builds LLM from the bundle), generate and
-bench engine."""
+"""The `tree_budget` extension of the DFlash speculative config through the user-facing entry
+points: the config class, LLM(...) (a DFlash 2 drafter is refused), build (the torch backend writes
+it into the bundle's engine config; trtllm refuses it before reading any config), generate (both
+engines, --json's tree fields) and bench engine. Serving it end to end: tests/serving/test_ddtree_serve.py."""
 
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -20,7 +16,6 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.spec.decoding_config import MAX_TREE_BUDGET, DFlashDecodingConfig, parse_tree_budget
 
 SPEC = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": "tiny"}
-REFUSED = r"tree_budget=16: DDTree verification is not in the embedded engine yet"
 
 
 @pytest.mark.parametrize(
@@ -52,19 +47,21 @@ def test_config_errors_name_the_field(bad):
         parse_tree_budget(bad, field_name="--tree-budget")
 
 
-def test_llm_refuses_a_tree_before_loading_weights(monkeypatch):
-    from dflash_trt.api import llm as llm_mod
+def test_llm_refuses_a_tree_with_a_dflash2_drafter(tmp_path):
+    """The engine asks the one rule (`check_tree_drafter`), as the reference loop and build do."""
+    from dflash_trt import LLM
+    from dflash_trt.models.checkpoint import save_drafter
+    from tests.conftest import make_drafter, make_target
 
-    def never(*_a, **_k):
-        raise AssertionError("models were resolved before the refusal")
-
-    monkeypatch.setattr(llm_mod, "_resolve_pair", never)
-    for value in (16, "auto"):
-        with pytest.raises(
-            ConfigError, match=r"DDTree verification is not in the embedded engine yet"
-        ) as err:
-            llm_mod.LLM("tiny", speculative_config={**SPEC, "tree_budget": value})
-        assert "generate --engine reference --tree-budget" in (err.value.hint or "")
+    target = make_target("qwen3", seed=1)
+    target.save_pretrained(tmp_path / "t")
+    save_drafter(make_drafter(target, dflash2=True), tmp_path / "d")
+    cfg = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": str(tmp_path / "d")}
+    with pytest.raises(
+        ConfigError,
+        match=r"^speculative_config.tree_budget='auto': DDTree verification does not run DFlash 2",
+    ):
+        LLM(str(tmp_path / "t"), speculative_config={**cfg, "tree_budget": "auto"}, max_seq_len=64)
 
 
 def test_llm_stores_a_zero_budget_and_runs_linear_dflash():
@@ -106,22 +103,6 @@ def test_build_writes_the_budget_into_the_torch_bundle(tree_bundle, cli):
     assert json.loads(out_json)["llm_api"]["speculative_config"]["tree_budget"] == "auto"
 
 
-@pytest.mark.triton_server
-def test_serve_hands_the_budget_to_the_engine_through_the_triton_model(tree_bundle):
-    """A real tritonserver loads the bundle's Triton model, which builds LLM(**model.yaml): the
-    budget arrives there and, until the engine verifies trees, serve stops with its message."""
-    from tests.serving.conftest import free_ports
-
-    http, grpc, metrics = free_ports(3)
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(tree_bundle), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--ready-timeout", "120", "--quiet"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "tree_budget=32: DDTree verification is not in the embedded engine yet" in proc.stderr
-
-
 def test_build_refuses_a_tree_for_trtllm_before_reading_configs(cli):
     # the target does not exist: a refusal after config resolution would complain about it instead
     code, out, err = cli(["build", "--target", "no-such/model", "--gpu", "h100", "--tree-budget", "16",
@@ -133,25 +114,39 @@ def test_build_refuses_a_tree_for_trtllm_before_reading_configs(cli):
     assert code == 2 and "--tree-budget='-3': must be an integer in [0, 1024] or 'auto'" in err
 
 
-def test_generate_reference_tree_and_the_embedded_refusal(cli):
+def test_generate_tree_in_both_engines(cli):
+    """--tree-budget in the reference loop and the embedded engine: the same tokens as linear
+    DFlash, --json with each round's budget and the tree's tau (auto: the engine's choices)."""
     base = ["generate", "--target", "tiny", "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--ignore-eos",
-            "--json", "--engine", "reference"]  # fmt: skip
-    code, linear, err = cli([*base, "--tree-budget", "0"])
-    assert code == 0, err
-    code, tree, err = cli([*base, "--tree-budget", "16"])
-    assert code == 0, err
-    a, b = json.loads(linear), json.loads(tree)
-    assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
-    assert b["mean_acceptance_length"] >= 1
-    code, _, err = cli([*base[:-2], "--engine", "embedded", "--tree-budget", "16"])
-    assert code == 2 and re.search(REFUSED, err), err
+            "--json"]  # fmt: skip
+    runs = {}
+    for engine, budget in (("reference", "0"), ("reference", "16"), ("embedded", "16"), ("embedded", "auto")):
+        code, out, err = cli([*base, "--engine", engine, "--tree-budget", budget])
+        assert code == 0, err
+        runs[engine, budget] = json.loads(out)
+    linear = runs["reference", "0"]
+    assert "tree_budgets" not in linear
+    for key in (("reference", "16"), ("embedded", "16"), ("embedded", "auto")):
+        assert runs[key]["output_ids"] == linear["output_ids"] and runs[key]["text"] == linear["text"], key
+    ref, emb = runs["reference", "16"], runs["embedded", "16"]
+    assert emb["acceptance_lengths"] == ref["acceptance_lengths"]
+    assert emb["tree_budgets"] == ref["tree_budgets"] == [16] * ref["num_rounds"]
+    assert emb["tree_mean_acceptance_length"] == pytest.approx(emb["mean_acceptance_length"])
+    auto = runs["embedded", "auto"]
+    assert len(auto["tree_budgets"]) == auto["num_rounds"] and set(auto["tree_budgets"]) <= {0, 16, 32, 64}
+    tree_rounds = [n for n, b in zip(auto["acceptance_lengths"], auto["tree_budgets"]) if b]
+    assert auto["tree_mean_acceptance_length"] == pytest.approx(sum(tree_rounds) / len(tree_rounds))
+    code, _, err = cli([*base, "--engine", "reference", "--tree-budget", "auto"])
+    assert code == 2 and "cost model" in err
     code, _, err = cli([*base, "--no-draft", "--tree-budget", "4"])
     assert code == 2 and "needs a drafter" in err
 
 
 def test_bench_engine_option_reaches_the_engine(cli):
-    code, _, err = cli(["bench", "engine", "--modes", "dflash", "--batch-sizes", "1", "--max-tokens", "4",
-                        "--tree-budget", "16"])  # fmt: skip
-    assert code == 2 and re.search(REFUSED, err), err
+    code, out, err = cli(["bench", "engine", "--modes", "dflash", "--batch-sizes", "1", "--max-tokens", "8",
+                          "--tree-budget", "16", "--json"])  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["config"]["tree_budget"] == 16 and result["points"][0]["tau"] >= 1
     code, _, err = cli(["bench", "engine", "--modes", "dflash", "--tree-budget", "lots"])
     assert code == 2 and "tree_budget='lots'" in err

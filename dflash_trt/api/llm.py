@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +75,8 @@ class LLM:
     model: `tiny` or a transformers directory. speculative_config: a dict (YAML form) or
     DFlashDecodingConfig with decoding_type 'DFlash', max_draft_len, speculative_model (a z-lab
     drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency, and the dflash-trt
-    extension tree_budget (DDTree nodes per round; 0 = linear DFlash; refused until the engine
-    verifies trees, see spec/tree.py).
+    extension tree_budget (DDTree: verify a tree of that many drafted nodes per round, spec/tree.py;
+    0 = linear DFlash; "auto" = chosen per step by measured cost, engine/tree_budget.py).
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
     enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
@@ -126,7 +126,7 @@ class LLM:
 
         self.device = resolve_device(None if device == "auto" else device)
         # First: later imports (the tokenizer's) fix inductor's cache directory when they load inductor.
-        compile = _compile_wanted(compile, self.device, compile_cache)
+        compile, compile_dir = _compile_wanted(compile, self.device, compile_cache)
         spec = _speculative(speculative_config)
         models = _resolve_pair(model, spec)
         self.model_dir = models.target_dir
@@ -150,6 +150,7 @@ class LLM:
             profile=profile,
             use_plugins=use_plugins,
             compile=compile,
+            compile_dir=compile_dir,
         )
         self.engine = self._load_engine(models.target_dir, spec, compile=compile)
         self.speculative_config = spec
@@ -181,13 +182,31 @@ class LLM:
                 dtype=self.dtype,
                 eos_token_ids=tuple(default_stop_token_ids(target_dir, self.tokenizer)),
             )
-            if compile:  # compile before the first request, not inside it
-                _warm_up_compiled(engine)
+            self._precompiler = _start_compiled(engine, self._precompile_request) if compile else None
         # Everything allocated so far (modules, the tokenizer, compiled code) lives as long as the LLM:
         # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.
         gc.collect()
         gc.freeze()
         return engine
+
+    def _precompile_request(self, engine: Any) -> Any:
+        """What a background compiler needs to build this engine again (engine/precompile.py)."""
+        import dataclasses
+
+        from dflash_trt.engine.precompile import PrecompileRequest
+
+        spec = engine.spec
+        return PrecompileRequest(
+            target_dir=str(self.model_dir),
+            drafter_dir=None if self.drafter_dir is None else str(self.drafter_dir),
+            spec=None if spec is None or engine.drafter is None else spec.to_dict(),
+            engine=dataclasses.asdict(self.engine_config),
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            cpu_threads=self.cpu_threads,
+            compile_root=str(self.engine_config.compile_dir),
+            eos_token_ids=tuple(engine.eos_token_ids),
+        )
 
     # --- public ------------------------------------------------------------------------------------
     def generate(
@@ -262,6 +281,9 @@ class LLM:
         self._wake.set()
         self._released.set()  # an injected hang returns
         self._thread.join(timeout=30 if self._dead is None else 1)  # a wedged thread may never return
+        if self._precompiler is not None and self._precompiler.poll() is None:
+            self._precompiler.terminate()  # its finished classes stay in the cache for the next start
+            self._precompiler.wait(timeout=30)
 
     def __enter__(self) -> LLM:
         return self
@@ -358,9 +380,11 @@ class LLM:
                     if not self.engine.has_work():
                         self._publish_stats()
                         self._parked = True
-                        self._wake.wait()
+                        # while rounds compile in the background, look for them now and then
+                        self._wake.wait(timeout=1.0 if self.engine.awaits_compiled_rounds() else None)
                         self._parked = False
                         self._wake.clear()
+                        self.engine.load_compiled_rounds()
                         continue
                     updates = self._step()
                     self._progress += 1
@@ -444,6 +468,10 @@ class LLM:
                     acceptance_lengths=lengths,
                     mean_acceptance_length=(sum(lengths) / n_rounds) if n_rounds else 0.0,
                     num_rounds=n_rounds,
+                    total_overturned_draft_tokens=at.num_overturned_draft_tokens,
+                    tree_budgets=list(req.tree_budgets[:n_rounds])
+                    if self.engine.budgets.max_budget
+                    else None,
                 ),
             )
         comp = CompletionOutput(
@@ -501,30 +529,48 @@ def _check_wedge_timeout(value: float | None) -> None:
         )  # fmt: skip
 
 
-def _compile_wanted(requested: bool | None, device: Any, cache_root: str | None) -> bool:
-    """compile=None (the default) compiles where torch.compile can run, unless $DFLASH_TRT_COMPILE=0;
-    compile=True where it cannot warns and serves eagerly. Points the compile cache at its root."""
+def _compile_wanted(requested: bool | None, device: Any, cache_root: str | None) -> tuple[bool, str | None]:
+    """(compile?, the compile cache directory). compile=None (the default) compiles where
+    torch.compile can run, unless $DFLASH_TRT_COMPILE=0; compile=True where it cannot warns and
+    serves eagerly. Points inductor's caches at the directory."""
     from dflash_trt.engine.compile import COMPILE_ENV, unsupported_reason, use_cache_root
 
     if requested is None:
         requested = os.environ.get(COMPILE_ENV, "1") != "0"
     if not requested:
-        return False
+        return False, None
     reason = unsupported_reason(device)
     if reason is not None:
         log.warning("compiled rounds are off: %s; serving with eager rounds", reason)
-        return False
-    log.info("compile cache: %s", use_cache_root(cache_root, device))
-    return True
+        return False, None
+    directory = use_cache_root(cache_root, device)
+    log.info("compile cache: %s", directory)
+    return True, str(directory)
+
+
+def _start_compiled(engine: Any, request: Callable[[Any], Any]) -> Any:
+    """Compiled rounds before traffic: loaded from the compile cache when every warm-up class is
+    there (seconds), else compiled in a background process while the engine serves eagerly
+    (engine/precompile.py; returns its Popen), or compiled here before the first request when
+    $DFLASH_TRT_COMPILE_BACKGROUND=0 or the cache has no directory."""
+    from dflash_trt.engine.compile import BACKGROUND_ENV
+    from dflash_trt.engine.precompile import spawn
+
+    rounds = engine.runner.rounds
+    classes = engine.warm_up_classes()
+    if rounds.directory is None or rounds.on_disk(classes) or os.environ.get(BACKGROUND_ENV, "1") == "0":
+        _warm_up_compiled(engine)
+        return None
+    engine.runner.freeze_compiled()  # nothing compiles in this process: rounds run eagerly until loaded
+    rounds.expect(classes)
+    return spawn(request(engine), rounds.directory)
 
 
 def _warm_up_compiled(engine: Any) -> None:
     """Compile before traffic; a failed compilation falls back to eager rounds with a warning."""
     import torch
 
-    log.info(
-        "compiling the round (greedy and sampled, batch 1 and 2+): minutes when the compile cache is cold"
-    )
+    log.info("compiled rounds: loading or compiling greedy and sampled rounds at batch 1 and 2+")
     try:
         log.info("compiled rounds ready in %.1f s", engine.warm_up())
         engine.runner.freeze_compiled()  # a shape class not seen in warm-up runs eagerly, never stalls
@@ -540,21 +586,12 @@ def _warm_up_compiled(engine: Any) -> None:
 
 
 def _speculative(speculative_config: Any) -> DFlashDecodingConfig | None:
-    """The parsed speculative_config (None: plain decoding); DDTree is refused before weights load."""
+    """The parsed speculative_config (None: plain decoding)."""
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
 
     if speculative_config is None:
         return None
-    spec = DFlashDecodingConfig.from_any(speculative_config)
-    if spec.uses_tree:
-        raise ConfigError(
-            "speculative_config.tree_budget",
-            spec.tree_budget,
-            "DDTree verification is not in the embedded engine yet (only the batch-1 reference loop has it)",
-            hint="set tree_budget 0 (linear DFlash), or run DDTree in the reference loop: "
-            "dflash-trt generate --engine reference --tree-budget 32",
-        )
-    return spec
+    return DFlashDecodingConfig.from_any(speculative_config)
 
 
 def _resolve_pair(model: str, spec: DFlashDecodingConfig | None) -> ResolvedModels:

@@ -16,6 +16,10 @@ class SpeculativeDecodingMetrics:
     acceptance_lengths: list[int] = field(default_factory=list)  # per round, bonus included
     mean_acceptance_length: float = 0.0  # tau: mean round length (0.0 before the first round)
     num_rounds: int = 0
+    # DFlash 2: drafts whose selector pick is not the drafter's argmax (0 for v1 drafters); / total_draft_tokens
+    # is the overturn rate
+    total_overturned_draft_tokens: int = 0
+    tree_budgets: list[int] | None = None  # DDTree engines: each round's budget (0 = linear); else None
 
 
 @dataclass

@@ -17,7 +17,8 @@ class SamplingParams:
     `stop` strings are excluded from the text unless include_stop_str_in_output. `ignore_eos`
     ignores the end id but keeps explicit stop_token_ids. `min_tokens` defers stopping (it does not
     mask the end token's probability: output stays distributed as the target's).
-    `greedy_draft` (dflash-trt extension): at T > 0 propose argmax drafts (one-hot rule).
+    `greedy_draft` (dflash-trt extension): at T > 0 propose greedy drafts (one-hot rule): the drafter's
+    argmax, or a DFlash 2 selector's best-scoring candidate.
     `pad_id` is refused: outputs are never padded (each request's tokens come back at their own length).
     """
 

@@ -45,6 +45,7 @@ SPEC_OUTPUTS = (
     "total_draft_tokens",
     "mean_acceptance_length",
     "num_rounds",
+    "total_overturned_draft_tokens",
     "arrival_time_ns",
     "first_token_time_ns",
     "last_token_time_ns",

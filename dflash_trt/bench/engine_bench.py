@@ -1,17 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Offline engine benchmark: plain decoding (AR) vs DFlash across batch sizes.
+"""Offline engine benchmark: plain decoding (AR) vs DFlash (linear, and DDTree at given budgets)
+across batch sizes.
 
-For each mode and batch size b, b requests are submitted at once (closed batch, greedy,
-ignore_eos, fixed output length) to the embedded engine and timed end to end. Reported per point:
+Modes: `ar` (the target alone), `dflash` (linear DFlash), `ddtree-N` (DDTree, N nodes per round) and
+`ddtree-auto` (the engine's cost-chosen budget), one engine each, all loaded at once. For each
+batch size b, the prompts go in closed batches of b (greedy, ignore_eos, fixed output length; every
+prompt once, cycled when there are fewer than b), each batch to every engine in turn before the next
+(so that a noisy machine slows every mode alike), `repeats` times, each batch timed end to end; a
+point pools its batches and repeats (tokens and seconds summed). Per point:
   output tokens/s          = generated tokens / wall time of the batch (prefill included)
   decode tokens/s          = generated tokens after the first / time from first token to last
   tau                      = mean round length over all rounds (bonus token included; pooled)
+  overturn                 = drafts whose DFlash 2 selector pick is not the drafter's argmax / drafts
+                             (0 for a v1 drafter; none for plain decoding)
   round split (ms/round)   = draft (context injection + block pass + draft sampling),
                              verify (target pass), accept (acceptance + sampling),
                              overhead (everything else in the step: scheduling, host copies)
   peak memory              = CUDA max allocated, or process peak RSS on CPU (monotone)
-Phase times need synchronisation, so the engine runs with profile=True (on CPU there is nothing
-to synchronise and the numbers are the same as without it).
+  tree budgets             = DDTree modes: request-rounds per budget (auto: how often each was chosen)
+Phase times need synchronisation, so eager engines (`compile=False`) run with profile=True (on CPU
+there is nothing to synchronise and the numbers are the same as without it). Compiled engines run
+without it: the phase clock inside the round would break the compiled graph, so their split reads 0
+and only `other ms` (the whole round) is measured.
 """
 
 from __future__ import annotations
@@ -53,6 +63,14 @@ class Point:
     accept_ms_per_round: float
     overhead_ms_per_round: float
     peak_memory_mb: float
+    request_rounds: int = 0  # rounds summed over requests (tau's denominator)
+    tree_budgets: dict[str, int] | None = None  # DDTree modes: request-rounds per budget (0 = linear)
+    draft_tokens: int = 0  # drafts proposed (the overturn rate's denominator)
+    overturned_draft_tokens: int = 0  # DFlash 2: drafts whose selector pick is not the drafter's argmax
+
+    @property
+    def overturn_rate(self) -> float | None:
+        return self.overturned_draft_tokens / self.draft_tokens if self.draft_tokens else None
 
 
 def _peak_memory_mb(device: str) -> float:
@@ -74,20 +92,23 @@ def run_engine_benchmark(
     modes: tuple[str, ...] = ("ar", "dflash"),
     device: str = "auto",
     dtype: str = "auto",
-    tree_budget: int | str = 0,
+    tree_budget: int | str | list[int | str] = 0,
     enforce_eager: bool = False,
+    compile: bool | None = None,
+    repeats: int = 1,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     warmup: bool = True,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Each mode (ar: the target alone; dflash: with the drafter) at each batch size: one greedy
-    generate() of `max_tokens` per request, timed, with the round's phase times."""
+    """Each mode (ar: the target alone; dflash: with the drafter, once per tree budget: 0 = linear,
+    N = DDTree of N nodes, "auto" = the engine's choice) at each batch size: one greedy generate() of
+    `max_tokens` per request, timed, with the round's phase times; `repeats` passes interleaved."""
     from dflash_trt.models.sources import resolve_models
     from dflash_trt.spec.decoding_config import parse_tree_budget
 
-    tree = parse_tree_budget(tree_budget, field_name="tree_budget")  # before any model loads
+    budgets = tree_budget if isinstance(tree_budget, list) else [tree_budget]
+    trees = [parse_tree_budget(b, field_name="tree_budget") for b in budgets]  # before any model loads
     models = resolve_models(target, drafter)
-    points: list[Point] = []
     config: dict[str, Any] = {
         "target": target,
         "target_dir": str(models.target_dir),
@@ -98,29 +119,115 @@ def run_engine_benchmark(
         "ignore_eos": True,
         "prompts": len(prompts),
         "enforce_eager": enforce_eager,
+        "repeats": repeats,
     }
-    for mode in modes:
-        spec = _speculative_config(models, block_size, tree) if mode == "dflash" else None
-        if spec is not None:
-            config["block_size"] = block_size_for(spec["max_draft_len"])
-            config["tree_budget"] = tree
-        llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
-                      enforce_eager=enforce_eager)  # fmt: skip
-        config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
-        try:
+    variants: list[tuple[str, int | str | None]] = [("ar", None)] if "ar" in modes else []
+    if "dflash" in modes:
+        variants += [(_mode_name(tree), tree) for tree in trees]
+    llms: dict[str, Any] = {}
+    try:
+        for mode, tree in variants:
+            spec = _speculative_config(models, block_size, tree) if tree is not None else None
+            if spec is not None:
+                config["block_size"] = block_size_for(spec["max_draft_len"])
+                config["tree_budget"] = trees[0] if len(trees) == 1 else trees
+                config["drafter_architecture"] = _architecture(models)
+            llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
+                          enforce_eager=enforce_eager, compile=compile)  # fmt: skip
+            config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
+            config["compiled"] = bool(llm.engine.runner.compiled)
+            llms[mode] = llm
             if warmup:  # first calls allocate, capture graphs and fill caches
                 from dflash_trt.api.llm import SamplingParams
 
                 llm.generate(list(prompts[:2]), SamplingParams(max_tokens=8, ignore_eos=True))
-            for bs in batch_sizes:
-                batch = [prompts[i % len(prompts)] for i in range(bs)]
-                points.append(_measure(llm, mode, batch, max_tokens=max_tokens))
-                if progress is not None:
-                    progress(points[-1])
-        finally:
+        points = _measure_interleaved(llms, batch_sizes, prompts, max_tokens=max_tokens, repeats=repeats,
+                                      progress=progress)  # fmt: skip
+    finally:
+        for llm in llms.values():
             llm.shutdown()
     config["environment"] = _environment()
-    return {"config": config, "points": [asdict(p) for p in points], "speedup": _speedups(points)}
+    return {"config": config, "points": [{**asdict(p), "overturn_rate": p.overturn_rate} for p in points], "speedup": _speedups(points),
+            "vs_linear": _vs_linear(points)}  # fmt: skip
+
+
+def _mode_name(tree: int | str) -> str:
+    return "dflash" if tree == 0 else f"ddtree-{tree}"
+
+
+def _measure_interleaved(
+    llms: dict[str, Any], batch_sizes: list[int], prompts: tuple[str, ...], *, max_tokens: int, repeats: int,
+    progress: Any,
+) -> list[Point]:  # fmt: skip
+    """Per batch size, `repeats` passes over the modes in turn, each over every prompt in closed
+    batches; each (mode, batch size) pools its batches and passes."""
+    points = []
+    for bs in batch_sizes:
+        batches = [
+            [prompts[i % len(prompts)] for i in range(lo, lo + bs)] for lo in range(0, len(prompts), bs)
+        ]
+        runs: dict[str, list[Point]] = {mode: [] for mode in llms}
+        for _ in range(repeats):
+            for batch in batches:  # every mode on a batch before the next: a drifting load slows them alike
+                for mode, llm in llms.items():
+                    runs[mode].append(_measure(llm, mode, batch, max_tokens=max_tokens))
+        for mode in llms:
+            points.append(_pool(runs[mode]))
+            if progress is not None:
+                progress(points[-1])
+    return points
+
+
+def _pool(runs: list[Point]) -> Point:
+    """One point from repeated measurements of the same (mode, batch): sums, then ratios."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    tokens = sum(p.output_tokens for p in runs)
+    wall = sum(p.wall_s for p in runs)
+    rounds = sum(p.rounds for p in runs)
+    decode_s = sum(
+        (p.output_tokens - p.batch_size) / p.decode_tokens_per_s for p in runs if p.decode_tokens_per_s > 0
+    )
+    request_rounds = sum(p.request_rounds for p in runs)
+    tau_tokens = sum((p.tau or 0.0) * p.request_rounds for p in runs)
+
+    def per_round(name: str) -> float:
+        return sum(getattr(p, name) * p.rounds for p in runs) / max(1, rounds)
+
+    budgets: dict[str, int] | None = None
+    for p in runs:
+        for b, n in (p.tree_budgets or {}).items():
+            budgets = budgets or {}
+            budgets[b] = budgets.get(b, 0) + n
+    return Point(
+        mode=first.mode,
+        batch_size=first.batch_size,
+        output_tokens=tokens,
+        wall_s=wall,
+        output_tokens_per_s=tokens / wall,
+        decode_tokens_per_s=(tokens - sum(p.batch_size for p in runs)) / decode_s
+        if decode_s > 0
+        else float("nan"),
+        tau=tau_tokens / request_rounds if request_rounds else None,
+        rounds=rounds,
+        draft_ms_per_round=per_round("draft_ms_per_round"),
+        verify_ms_per_round=per_round("verify_ms_per_round"),
+        accept_ms_per_round=per_round("accept_ms_per_round"),
+        overhead_ms_per_round=per_round("overhead_ms_per_round"),
+        peak_memory_mb=max(p.peak_memory_mb for p in runs),
+        request_rounds=request_rounds,
+        tree_budgets=budgets,
+        draft_tokens=sum(p.draft_tokens for p in runs),
+        overturned_draft_tokens=sum(p.overturned_draft_tokens for p in runs),
+    )
+
+
+def _architecture(models: Any) -> str:
+    """The drafter's architecture (DFlashDraftModel or DFlash2DraftModel), for the report."""
+    from dflash_trt.models.checkpoint import load_drafter_config
+
+    return load_drafter_config(models.drafter_dir).architecture
 
 
 def _speculative_config(models: Any, block_size: int | None, tree: int | str) -> dict[str, Any]:
@@ -143,7 +250,7 @@ def _speculative_config(models: Any, block_size: int | None, tree: int | str) ->
 def _engine(
     models: Any, spec: dict[str, Any] | None, *, batch_sizes: list[int], max_tokens: int, **kwargs: Any
 ) -> Any:
-    """An LLM sized for the largest batch, with per-phase round times (profile=True)."""
+    """An LLM sized for the largest batch, with per-phase round times when its rounds are eager."""
     from dflash_trt.api.llm import LLM
 
     max_b = max(batch_sizes)
@@ -153,7 +260,7 @@ def _engine(
         max_batch_size=max_b,
         max_num_tokens=max(2048, max_b * 64),
         max_seq_len=max_tokens + 256,
-        profile=True,
+        profile=kwargs.get("compile") is False,
         **kwargs,
     )
 
@@ -178,6 +285,11 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
     metrics = [o.outputs[0].request_perf_metrics for o in outs]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     rounds_all = [a for m in metrics for a in m.speculative_decoding.acceptance_lengths]
+    budgets: dict[str, int] | None = None
+    for m in metrics:
+        for b in m.speculative_decoding.tree_budgets or []:
+            budgets = budgets or {}
+            budgets[str(b)] = budgets.get(str(b), 0) + 1
     decode_window = (
         max(m.timing_metrics.last_token_time for m in metrics)
         - min(m.timing_metrics.first_token_time for m in metrics)
@@ -199,6 +311,10 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
         accept_ms_per_round=1e3 * delta["accept_s"] / r,
         overhead_ms_per_round=1e3 * overhead / r,
         peak_memory_mb=_peak_memory_mb(llm.device.type),
+        request_rounds=len(rounds_all),
+        tree_budgets=budgets,
+        draft_tokens=sum(m.speculative_decoding.total_draft_tokens for m in metrics),
+        overturned_draft_tokens=sum(m.speculative_decoding.total_overturned_draft_tokens for m in metrics),
     )
 
 
@@ -220,11 +336,27 @@ def _environment() -> dict[str, Any]:
 
 
 def _speedups(points: list[Point]) -> dict[str, float]:
+    """Output tokens/s of DFlash (linear, or the one DDTree mode when it runs alone) over AR, per batch
+    size (the keys stay batch sizes, as before DDTree modes existed)."""
     ar = {p.batch_size: p for p in points if p.mode == "ar"}
-    out = {}
+    spec_modes = [m for m in dict.fromkeys(p.mode for p in points) if m != "ar"]
+    main = "dflash" if "dflash" in spec_modes else (spec_modes[0] if spec_modes else None)
+    return {
+        str(p.batch_size): p.output_tokens_per_s / ar[p.batch_size].output_tokens_per_s
+        for p in points
+        if p.mode == main and p.batch_size in ar
+    }
+
+
+def _vs_linear(points: list[Point]) -> dict[str, dict[str, float]]:
+    """Every mode's output tokens/s over linear DFlash's, per batch size (ratios from one run)."""
+    linear = {p.batch_size: p for p in points if p.mode == "dflash"}
+    out: dict[str, dict[str, float]] = {}
     for p in points:
-        if p.mode == "dflash" and p.batch_size in ar:
-            out[str(p.batch_size)] = p.output_tokens_per_s / ar[p.batch_size].output_tokens_per_s
+        if p.batch_size in linear and p.mode not in ("dflash", "ar"):
+            out.setdefault(p.mode, {})[str(p.batch_size)] = (
+                p.output_tokens_per_s / linear[p.batch_size].output_tokens_per_s
+            )
     return out
 
 
@@ -233,19 +365,28 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         "# dflash-trt engine benchmark: " + json.dumps({k: v for k, v in cfg.items() if k != "environment"}),
         "# environment: " + json.dumps(cfg["environment"]),
-        f"{'mode':<7} {'batch':>5} {'out tok/s':>10} {'decode tok/s':>12} {'tau':>5} {'rounds':>6} "
-        f"{'draft ms':>8} {'verify ms':>9} {'accept ms':>9} {'other ms':>8} {'peak MB':>8}",
+        f"{'mode':<12} {'batch':>5} {'out tok/s':>10} {'decode tok/s':>12} {'tau':>5} {'overturn':>8} {'rounds':>6} "
+        f"{'draft ms':>8} {'verify ms':>9} {'accept ms':>9} {'other ms':>8} {'peak MB':>8}  budgets",
     ]
     for p in result["points"]:
         tau = f"{p['tau']:.2f}" if p["tau"] is not None else "-"
+        overturn = f"{p['overturn_rate']:.2f}" if p.get("overturn_rate") is not None else "-"
+        budgets = " ".join(
+            f"{b}:{n}" for b, n in sorted((p.get("tree_budgets") or {}).items(), key=lambda x: int(x[0]))
+        )
         lines.append(
-            f"{p['mode']:<7} {p['batch_size']:>5} {p['output_tokens_per_s']:>10.1f} {p['decode_tokens_per_s']:>12.1f} "
-            f"{tau:>5} {p['rounds']:>6} {p['draft_ms_per_round']:>8.2f} {p['verify_ms_per_round']:>9.2f} "
-            f"{p['accept_ms_per_round']:>9.2f} {p['overhead_ms_per_round']:>8.2f} {p['peak_memory_mb']:>8.0f}"
+            f"{p['mode']:<12} {p['batch_size']:>5} {p['output_tokens_per_s']:>10.1f} {p['decode_tokens_per_s']:>12.1f} "
+            f"{tau:>5} {overturn:>8} {p['rounds']:>6} {p['draft_ms_per_round']:>8.2f} {p['verify_ms_per_round']:>9.2f} "
+            f"{p['accept_ms_per_round']:>9.2f} {p['overhead_ms_per_round']:>8.2f} {p['peak_memory_mb']:>8.0f}  {budgets}"
         )
     if result["speedup"]:
         lines.append(
             "DFlash / AR output tokens/s: "
             + ", ".join(f"b={b}: {s:.2f}x" for b, s in result["speedup"].items())
+        )
+    for mode, ratios in result.get("vs_linear", {}).items():
+        lines.append(
+            f"{mode} / linear DFlash output tokens/s: "
+            + ", ".join(f"b={b}: {s:.2f}x" for b, s in ratios.items())
         )
     return "\n".join(lines)

@@ -51,6 +51,8 @@ DEFINITIONS: dict[str, str] = {
     "mean_acceptance_length_request_mean": "mean over requests of the per-request acceptance_length (as z-lab benchmark.py)",
     "mean_acceptance_length": "mean_acceptance_length_pooled when available, else mean_acceptance_length_request_mean (see mean_acceptance_length_source); null when the server reports no speculative statistics",
     "acceptance_rate_pooled": "sum(accepted draft tokens) / sum(drafted tokens)",
+    "overturned_draft_tokens": "per request: drafts whose DFlash 2 selector pick is not the drafter's argmax (the server's total_overturned_draft_tokens; 0 with v1 drafters, null when the server does not report it)",
+    "overturn_rate_pooled": "sum(overturned draft tokens) / sum(drafted tokens) over requests that report both: the DFlash 2 selector's overturn rate (0 with v1 drafters)",
     "tokens_per_chunk_hist": "histogram of tokens per chunk over all chunks (a free tau proxy when the server streams every step)",
     "mean_tokens_per_chunk_after_first": "sum(tokens in chunks after the first) / number of such chunks",
     "achieved_concurrency": "sum(request durations, send -> final response) / duration_s (SGLang 'Concurrency'); compare with the target to spot a client-bound run",
@@ -160,6 +162,7 @@ class RequestRecord:
     acceptance_length: float | None = None
     acceptance_length_source: str | None = None
     acceptance_rate: float | None = None
+    overturned_draft_tokens: int | None = None  # DFlash 2: drafts the selector picked over the argmax
     server_ttft_s: float | None = None
     server_decode_s: float | None = None
 
@@ -327,6 +330,7 @@ def _speculation(spec: Mapping[str, Any]) -> dict[str, Any]:
         "acceptance_length": tau,
         "acceptance_length_source": tau_source,
         "acceptance_rate": None if rate is None else float(rate),
+        "overturned_draft_tokens": _as_int(spec.get("total_overturned_draft_tokens")),
         "server_ttft_s": _round((first - arrival) / 1e9 if arrival and first else None),
         "server_decode_s": _round((last_ns - first) / 1e9 if first and last_ns else None),
     }
@@ -562,6 +566,12 @@ def _speculation_metrics(ok: Sequence[RequestRecord]) -> dict[str, Any]:
     out["acceptance_rate_pooled"] = (
         sum(r.accepted_draft_tokens or 0 for r in drafted) / sum(r.draft_tokens or 0 for r in drafted)
         if drafted
+        else None
+    )
+    selected = [r for r in ok if r.draft_tokens and r.overturned_draft_tokens is not None]
+    out["overturn_rate_pooled"] = (
+        sum(r.overturned_draft_tokens or 0 for r in selected) / sum(r.draft_tokens or 0 for r in selected)
+        if selected
         else None
     )
     out["num_requests_with_spec_stats"] = len(taus)

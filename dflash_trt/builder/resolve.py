@@ -11,7 +11,7 @@ from dflash_trt.builder import registry
 from dflash_trt.builder.configs import ConfigReader
 from dflash_trt.builder.source import ModelSource, ResolvedPair
 from dflash_trt.errors import UsageError
-from dflash_trt.tiny import TINY_NAME, ensure_tiny
+from dflash_trt.tiny import TINY_DFLASH2_NAME, TINY_NAME, ensure_tiny
 
 
 def _local(path: Path, what: str) -> ModelSource:
@@ -40,13 +40,12 @@ def resolve_pair(target: str, drafter: str | None, *, offline: bool = False) -> 
         t = _local(paths.target, "target")
         t.kind = "embedded"
         t.provenance["source"] = "embedded"
-        d: ModelSource | None = (
-            _local(Path(drafter), "drafter") if drafter else _local(paths.drafter, "drafter")
-        )
-        if not drafter and d is not None:
-            d.kind = "embedded"
-            d.provenance["source"] = "embedded"
-        return ResolvedPair(name=TINY_NAME, target=t, drafter=d)
+        shipped = {None: paths.drafter, "": paths.drafter, TINY_DFLASH2_NAME: paths.drafter_dflash2}
+        packaged = _local(shipped.get(drafter) or Path(str(drafter)), "drafter")
+        if drafter in shipped:  # the packaged v1 drafter, or `tiny-dflash2`
+            packaged.kind = "embedded"
+            packaged.provenance["source"] = "embedded"
+        return ResolvedPair(name=TINY_NAME, target=t, drafter=packaged)
     tpath = Path(target).expanduser()
     if tpath.is_dir():
         t = _local(tpath, "target")

@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dflash_trt.cli.serve:serve",
         "Serve a bundle with a real Triton Inference Server (gRPC/HTTP/metrics).",
     ),
+    "precompile": (
+        "dflash_trt.cli.precompile:precompile",
+        "Compile a bundle's rounds into its compile cache before serving (a pre-warm Job).",
+    ),
     "train-drafter": (
         "dflash_trt.cli.train:train_drafter",
         "Train a DFlash drafter for a target (z-lab checkpoint format).",

@@ -401,7 +401,13 @@ def _point_line(name: str, p: dict[str, Any]) -> str:
         f"[{name}] {p['key']}: {_num(p.get('tokens_per_s_per_user_p50'))} tok/s/user p50 | "
         f"{_num(p.get('total_tokens_per_s_per_gpu'))} tok/s/GPU ({_num(p.get('output_tokens_per_s_per_gpu'))} output) | "
         f"TTFT p50 {_ms(p.get('ttft_p50_s'))} | TPOT p50 {_ms(p.get('tpot_p50_s'))} | "
-        f"tau {_num(p.get('mean_acceptance_length'), '{:.2f}')} | errors {p.get('num_errors')}/{p.get('num_requests')}"
+        f"tau {_num(p.get('mean_acceptance_length'), '{:.2f}')} | "
+        + (
+            f"overturn {p['overturn_rate_pooled']:.2f} | "
+            if p.get("overturn_rate_pooled") is not None
+            else ""
+        )
+        + f"errors {p.get('num_errors')}/{p.get('num_requests')}"
     )
 
 

@@ -21,10 +21,36 @@ def _ints(value: str, flag: str) -> list[int]:
     return out
 
 
+def _prompts(value: str) -> tuple[str, ...]:
+    """--prompts: the built-in set, tiny's held-out prompts, or the texts of a JSONL file."""
+    from pathlib import Path
+
+    from dflash_trt.bench.engine_bench import DEFAULT_PROMPTS
+
+    if value == "builtin":
+        return DEFAULT_PROMPTS
+    if value == "heldout":
+        from dflash_trt.tiny import heldout_prompts
+
+        return tuple(heldout_prompts())
+    from dflash_trt.utils.jsonl import iter_jsonl
+
+    path = Path(value)
+    if not path.is_file():
+        raise click.BadParameter(f"{value!r} is not builtin, heldout or a JSONL file", param_hint="--prompts")
+    records = iter_jsonl(path, name=f"--prompts={value}", hint='one {"text": ...} object per line')
+    texts = tuple(r["text"] for _, r in records if isinstance(r, dict) and isinstance(r.get("text"), str))
+    if not texts:
+        raise click.BadParameter(f"{value!r} has no line with a 'text' string", param_hint="--prompts")
+    return texts
+
+
 @click.command()
 @click.option("--target", default="tiny", show_default=True, metavar="NAME_OR_DIR")
 @click.option(
-    "--drafter", metavar="DIR", help="Drafter directory (default: the target's registered drafter)."
+    "--drafter",
+    metavar="DIR",
+    help="Drafter directory, or tiny-dflash2 (default: the target's registered drafter).",
 )
 @click.option(
     "--block-size", type=click.IntRange(min=2), default=None, help="Runtime block size (default: trained)."
@@ -46,11 +72,33 @@ def _ints(value: str, flag: str) -> list[int]:
 )
 @click.option(
     "--tree-budget",
-    metavar="N|auto",
+    metavar="N|auto[,...]",
     default="0",
     show_default=True,
-    help="DFlash mode verifies a DDTree of N drafted nodes per round (0 = linear DFlash; auto = chosen by "
-    "the engine). Not in the embedded engine yet: a non-zero budget is refused.",
+    help="DFlash modes, comma-separated: 0 = linear DFlash, N = DDTree of N drafted nodes per round, "
+    "auto = the budget the engine chooses by measured cost (e.g. 0,16,32,64,auto). One engine each.",
+)
+@click.option(
+    "--prompts",
+    "prompt_set",
+    default="builtin",
+    show_default=True,
+    metavar="builtin|heldout|FILE.jsonl",
+    help="builtin: 8 short code prompts; heldout: the tiny pair's 32 held-out Python prompts; or a JSONL "
+    "file with a 'text' per line. Every batch size runs every prompt (in batches of its size).",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Passes over the modes per batch size, interleaved; each point pools its passes.",
+)
+@click.option(
+    "--compile/--eager",
+    "compile_rounds",
+    default=None,
+    help="Compiled rounds (torch.compile) or eager ones.  [default: the engine's: compiled where it can run]",
 )
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
@@ -65,19 +113,25 @@ def engine(
     device: str,
     dtype: str,
     tree_budget: str,
+    prompt_set: str,
+    repeats: int,
+    compile_rounds: bool | None,
     enforce_eager: bool,
     as_json: bool,
     out: str | None,
 ) -> None:
-    """Offline throughput of the embedded engine: plain decoding (AR) vs DFlash.
+    """Offline throughput of the embedded engine: plain decoding (AR) vs DFlash (linear and DDTree).
 
     Each point submits `batch` greedy requests at once (ignore_eos, fixed output length) and
-    reports output tokens/s, decode tokens/s, mean acceptance length (tau, bonus included), the
-    round time split (draft / verify / accept / other) and peak memory, with the configuration.
+    reports output tokens/s, decode tokens/s, mean acceptance length (tau, bonus included), the DFlash 2
+    selector's overturn rate (drafts whose pick is not the drafter's argmax), the round time split
+    (draft / verify / accept / other), peak memory and, for DDTree, the budgets the rounds ran, with the
+    configuration; then each mode's ratio to AR and to linear DFlash.
 
     \b
-    Example:
+    Examples:
       dflash-trt bench engine --target tiny --batch-sizes 1,8,32 --max-tokens 128
+      dflash-trt bench engine --target tiny --batch-sizes 1,16 --tree-budget 0,16,32,64,auto --repeats 3
     """
     sizes = _ints(batch_sizes, "--batch-sizes")
     from dflash_trt.bench.engine_bench import format_table, run_engine_benchmark
@@ -89,6 +143,7 @@ def engine(
             f"  {point.mode} batch {point.batch_size}: {point.output_tokens_per_s:.1f} tok/s", err=True
         )
 
+    prompts = _prompts(prompt_set)
     result = run_engine_benchmark(
         target=target,
         drafter=drafter,
@@ -98,8 +153,11 @@ def engine(
         modes=chosen,
         device=device,
         dtype=dtype,
-        tree_budget=tree_budget,
+        tree_budget=[b.strip() for b in tree_budget.split(",") if b.strip()] or ["0"],
         enforce_eager=enforce_eager,
+        compile=compile_rounds,
+        repeats=repeats,
+        prompts=prompts,
         progress=progress,
     )
     if out:

@@ -79,12 +79,12 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
 )
 @click.option(
     "--tree-budget",
-    metavar="N",
+    metavar="N|auto",
     default="0",
     show_default=True,
     help="DDTree: verify a tree of N drafted nodes per round, built from the drafter's distributions, "
-    "instead of its argmax chain (0 = linear DFlash). Lossless like linear DFlash. The reference "
-    "loop has it; the embedded engine does not yet.",
+    "instead of its argmax chain (0 = linear DFlash). Lossless like linear DFlash. auto: the embedded "
+    "engine chooses per round by measured cost (the reference loop needs a number).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object on stdout.")
 def generate(**options: Any) -> None:
@@ -94,12 +94,15 @@ def generate(**options: Any) -> None:
     Examples:
       dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64
       dflash-trt generate --target tiny --prompt-ids 5,17,42 --max-new-tokens 32 --json
-      dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64 --engine reference --tree-budget 32
+      dflash-trt generate --target tiny --prompt "def add(a, b):" --max-new-tokens 64 --tree-budget 32
       dflash-trt generate --target ./qwen3 --drafter ./qwen3-dflash --prompt "Hi" --max-new-tokens 128 --temperature 0.7 --seed 1
 
     With --json the output is one object: output_ids (generated ids only), acceptance_lengths
     (per round, bonus token included), text (null without a tokenizer), num_rounds,
-    mean_acceptance_length, ttft_s, decode_s.
+    mean_acceptance_length, ttft_s, decode_s, num_draft_tokens, num_overturned_draft_tokens and
+    overturn_rate (DFlash 2: drafts whose selector pick is not the drafter's argmax; 0 for v1); with
+    --tree-budget also tree_budgets (each round's budget: the one chosen by the engine under auto, 0 for
+    a linear round) and tree_mean_acceptance_length (tau over the tree rounds).
     """
     opts = _Options(**options)
     job = _prepare(opts)
@@ -235,9 +238,10 @@ def _report(result: Any, tokenizer: Any | None, *, as_json: bool, tree_budget: i
     mode = "plain decoding" if result.block_size == 1 else f"DFlash block {result.block_size}"
     if tree_budget != 0 and result.block_size > 1:
         mode += f", DDTree {tree_budget} nodes"
+    selector = f", selector overturn rate {result.overturn_rate:.2f}" if result.num_overturned else ""
     click.echo(
         f"[{mode}] {n} tokens, {result.num_rounds} rounds, mean acceptance length "
-        f"{result.mean_acceptance_length:.2f}, ttft {result.ttft_s * 1e3:.1f} ms, "
+        f"{result.mean_acceptance_length:.2f}{selector}, ttft {result.ttft_s * 1e3:.1f} ms, "
         f"decode {result.decode_s * 1e3:.1f} ms ({tps:.1f} tok/s), finish={result.finish_reason}",
         err=True,
     )
@@ -349,5 +353,7 @@ def _result_of(out: Any, *, block_size: int) -> Any:
         finish_reason=out.finish_reason or "length",
         num_draft_tokens=m.speculative_decoding.total_draft_tokens,
         num_accepted_draft_tokens=m.speculative_decoding.total_accepted_draft_tokens,
+        num_overturned=m.speculative_decoding.total_overturned_draft_tokens,
         block_size=block_size,
+        tree_budgets=m.speculative_decoding.tree_budgets,
     )

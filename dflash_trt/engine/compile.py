@@ -3,25 +3,39 @@
 
 The whole round (both models, the sampling and the acceptance) goes through inductor as one graph:
 on CPU its elementwise work becomes fused C++ loops and the GEMMs stay MKL/oneDNN calls, which
-removes most of the per-operator cost that dominates small models. Shapes are dynamic (batch,
-context pages): one graph per sampling mode serves every batch size (batch 1 usually gets one of
-its own). `LLMEngine.warm_up` compiles greedy and sampled rounds at batch 1 and 2 before traffic;
-after it, a shape class without a graph runs eagerly rather than stalling serving to compile
-(`ModelRunner.freeze_compiled`). Requests with top-k/top-p filtering are such a class today.
+removes most of the per-operator cost that dominates small models.
 
-Artifacts (inductor's FX-graph and kernel caches) go to one directory per torch version and CPU/GPU
-kind, under a root that `serve` points at the bundle (`<bundle>/compile-cache`, shared by every pod
-that mounts the bundle) and the library defaults to `~/.cache/dflash-trt/compile`. A warm cache turns
-minutes of compilation into seconds of tracing.
+Shape classes. A round is compiled once per (draft length g, DDTree budget, sampling flags, batch of one
+or more):
+the batch and the context's page width are dynamic inside a class (one graph serves every batch of
+two or more and every context length; a batch of one has a graph of its own). `LLMEngine.warm_up`
+makes a round of every usual class before the engine reports ready; after it a class without a
+graph runs eagerly rather than stalling serving to compile (`ModelRunner.freeze_compiled`).
+Requests with top-k/top-p filtering are such a class today.
+
+Ahead-of-time artifacts (`RoundCache`). Each class is compiled with
+`torch.compile(fullgraph=True).aot_compile` and saved, so that a later start loads it in seconds
+instead of tracing and compiling it again (tracing alone took ~40 s for the four classes of `tiny`
+on 2 CPU cores). Artifacts live in `<root>/<machine key>/rounds/<fingerprint>/`: the machine key
+names the torch version and the CPU's vector ISA (or the GPU model); the fingerprint covers every
+input of the compiled code: dflash_trt's own model and engine sources, both models' configurations,
+dtype, device, cache and batch sizes (`round_fingerprint`). An artifact whose guards refuse the
+first round it sees is compiled again and replaced. Inductor's own FX-graph and kernel caches sit
+beside them (a cold class then compiles faster).
+
+The root is `serve`'s `<bundle>/compile-cache` (shared by every pod that mounts the bundle),
+$DFLASH_TRT_COMPILE_CACHE, or `~/.cache/dflash-trt/compile` for the library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,12 +106,213 @@ def use_cache_root(root: str | os.PathLike[str] | None, device: torch.device) ->
     return directory
 
 
-def compile_round(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
-    """`fn` (the runner's round) through torch.compile with dynamic shapes. Call it inside
-    `shape_rules()`, where compilation happens (on the first call of each shape class)."""
-    import torch
+ROUND_SOURCES = ("layers", "models", "spec", "plugins", "engine")  # what a compiled round is made of
+ROUNDS_DIR = "rounds"
+REFRESH_S = 1.0  # how often a serving engine looks for rounds compiled by another process
+BACKGROUND_ENV = "DFLASH_TRT_COMPILE_BACKGROUND"  # "0": compile before ready instead (engine/precompile.py)
+ARTIFACT_SUFFIX = ".aot"
 
-    return torch.compile(fn, dynamic=True)
+
+def round_fingerprint(facts: dict[str, Any]) -> str:
+    """A key for everything a compiled round depends on: `facts` (the runner's sizes, dtypes and model
+    configurations) and the source of the dflash_trt packages the round runs."""
+    digest = hashlib.sha256(repr(sorted(facts.items())).encode())
+    package = Path(__file__).resolve().parent.parent
+    for sub in ROUND_SOURCES:
+        for path in sorted((package / sub).rglob("*.py")):
+            digest.update(path.relative_to(package).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class RoundCache:
+    """The runner's compiled rounds, one per shape class, kept in memory and (with a directory) on disk.
+
+    `get` returns a class's compiled round: already in memory, loaded from disk, or (unless frozen)
+    compiled now from the round's arguments and saved. `kwargs` are the round's static keyword
+    arguments (g, flags, budget: `RoundShape.kwargs`); a compiled round is called as
+    `fn(runner, *args, **kwargs)`; `None` means: run this round eagerly.
+    """
+
+    def __init__(self, round_core: Callable[..., Any], directory: Path | None) -> None:
+        self._core = round_core  # the runner's bound _round_core
+        self.directory = directory
+        self._fns: dict[tuple[Any, ...], Any] = {}
+        self._refused: set[tuple[Any, ...]] = set()  # classes whose compilation failed: eager from now on
+        self.frozen = False
+        self.loaded = self.compiled = 0  # classes loaded from disk / compiled in this process
+        self._expected: list[tuple[Any, ...]] = []  # classes another process compiles (`expect`)
+        self._next_look = 0.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Saving a compilation pickles the runner it was traced on, this cache included: the compiled
+        # rounds already here (unpicklable guard managers) are never part of another one's state.
+        return {"directory": self.directory}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(lambda: None, state["directory"])  # type: ignore[misc]
+
+    @staticmethod
+    def class_key(kwargs: dict[str, Any], single: bool) -> tuple[Any, ...]:
+        """A shape class: the round's static keyword arguments, and whether the batch has one sequence."""
+        return (tuple(sorted(kwargs.items())), single)
+
+    @classmethod
+    def key(cls, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        return cls.class_key(kwargs, args[0].shape[0] == 1)
+
+    def on_disk(self, keys: list[tuple[Any, ...]]) -> bool:
+        """Whether every class of `keys` has a saved compilation."""
+        paths = [self._path(k) for k in keys]
+        return all(p is not None and p.is_file() for p in paths)
+
+    def expect(self, keys: list[tuple[Any, ...]]) -> None:
+        """Classes another process is compiling: `refresh` loads each once it is on disk."""
+        self._expected = [k for k in keys if k not in self._fns]
+        self._next_look = 0.0
+
+    @property
+    def expecting(self) -> bool:
+        """Whether classes compiled by another process are still to be loaded."""
+        return bool(self._expected)
+
+    def refresh(self) -> int:
+        """Load the expected classes that appeared on disk since the last look (at most one look per
+        REFRESH_S; a load stalls the calling round for about a second). Returns how many it loaded."""
+        if not self._expected:
+            return 0
+        now = time.monotonic()
+        if now < self._next_look:
+            return 0
+        self._next_look = now + REFRESH_S
+        ready = [k for k in self._expected if (p := self._path(k)) is not None and p.is_file()]
+        loaded = 0
+        for key in ready:
+            self._expected.remove(key)
+            fn = self._load(key)
+            if fn is not None:
+                self._fns[key] = fn
+                loaded += 1
+        return loaded
+
+    def _path(self, key: tuple[Any, ...]) -> Path | None:
+        if self.directory is None:
+            return None
+        items, single = key
+        parts = []
+        for name, value in items:  # e.g. budget=0, flags=(True, True, False), g=15 -> budget0-flags110-g15
+            if isinstance(value, tuple):
+                value = "".join("1" if v else "0" for v in value)
+            parts.append(f"{name}{value}")
+        return self.directory / f"{'-'.join(parts)}-{'b1' if single else 'bN'}{ARTIFACT_SUFFIX}"
+
+    def get(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
+        key = self.key(args, kwargs)
+        fn = self._fns.get(key)
+        if fn is not None or key in self._refused:
+            return fn
+        fn = self._load(key)
+        if fn is None and not self.frozen:
+            fn = self._compile(key, args, kwargs)
+        if fn is not None:
+            self._fns[key] = fn
+        return fn
+
+    def forget(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> None:
+        """A class whose compiled round refused these arguments (its guards failed): compile it again
+        on its next round, unless frozen."""
+        key = self.key(args, kwargs)
+        self._fns.pop(key, None)
+        path = self._path(key)
+        if path is not None:
+            path.unlink(missing_ok=True)
+        if self.frozen:
+            self._refused.add(key)
+
+    def _load(self, key: tuple[Any, ...]) -> Any:
+        import torch
+
+        path = self._path(key)
+        if path is None or not path.is_file():
+            return None
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                fn = torch.compiler.load_compiled_function(f, f_globals=self._core.__globals__)
+        except Exception as exc:  # a stale or damaged artifact is compiled again, never trusted
+            log.warning("compiled round %s could not be loaded (%s); compiling it again", path.name, exc)
+            path.unlink(missing_ok=True)
+            return None
+        self.loaded += 1
+        log.info("compiled round %s loaded in %.1f s", path.name, time.perf_counter() - t0)
+        return fn
+
+    def _compile(self, key: tuple[Any, ...], args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        t0 = time.perf_counter()
+        single = key[1]
+        for a in args:  # the batch is dynamic in a class of two or more; the context's page width always
+            if not single:
+                torch._dynamo.mark_dynamic(a, 0)
+        torch._dynamo.mark_dynamic(args[3], 1)
+        with compile_rules():
+            compiled: Any = torch.compile(
+                self._core, fullgraph=True, dynamic=True, options={"guard_filter_fn": _guard_filter}
+            )
+            fn = compiled.aot_compile((args, kwargs))
+        self.compiled += 1
+        path = self._path(key)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fn.save_compiled_function(str(tmp))
+            os.replace(tmp, path)  # readers (other pods on the same volume) see all of it or nothing
+        log.info("compiled round %s in %.1f s", path.name if path else key, time.perf_counter() - t0)
+        return fn
+
+
+def _guard_filter(entries: Any) -> list[bool]:
+    """The guards a saved round keeps: those a saved compilation can carry (no globals: aot_compile's
+    own rule), and none on the models' modules and parameters. Their structure, dtypes and shapes are
+    what the fingerprint names, and nothing changes them while an engine serves; checked on every
+    round, those ~2800 guards cost ~0.5 ms (a tenth of a `tiny` round). The round's tensor
+    arguments and the KV caches stay guarded."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [
+        not (
+            e.is_global
+            or e.guard_type in unsupported
+            or (e.orig_guard.source.is_unspecialized_nn_module() and e.guard_type not in _STRUCTURE_GUARDS)
+        )
+        for e in entries
+    ]
+
+
+# Guards on the modules that stay: the key order of the module dicts the round iterates (a loaded
+# round re-reads those dicts, so the path to each must be part of what is saved).
+_STRUCTURE_GUARDS = frozenset({"DICT_KEYS_MATCH"})
+
+
+def is_guard_failure(exc: BaseException) -> bool:
+    """A compiled round refused its arguments (they are outside what it was compiled for)."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith("GuardManager check failed")
+
+
+def compile_rules() -> Any:
+    """The symbolic-shape and tracing settings the round is compiled under: `shape_rules`, no duck
+    sizing (a batch of 2 and a page width of 2 stay separate symbols), and Python float constants
+    specialised (the round has no float inputs; aot_compile cannot restart a trace that finds one)."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(shape_rules())
+    stack.enter_context(fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
+    stack.enter_context(dynamo_config.patch(specialize_float=True))
+    return stack
 
 
 def shape_rules() -> Any:

@@ -23,6 +23,7 @@ class EngineConfig:
     static_rounds: bool = False  # padded static-buffer rounds without graphs (CPU tests)
     use_plugins: bool | None = None  # dflash:: Triton ops for the drafter/accept; None = on for CUDA
     compile: bool = False  # torch.compile (inductor) the round: fused kernels, far less dispatch
+    compile_dir: str | None = None  # where compiled rounds are saved and reused (engine/compile.py)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):

@@ -5,8 +5,9 @@ Each `step()` runs schedule → run → postprocess:
   1. applies what other threads queued since the last step (new requests, aborts);
   2. `Scheduler.schedule()` admits waiting requests and picks the prefill chunks and the round;
   3. `ModelRunner` prefills the chunks and runs one DFlash round for every running request (the
-     draft length follows the draft_len_schedule for the batch size; every request accepts its
-     own number of drafts);
+     draft length follows the draft_len_schedule for the batch size; a DDTree budget, pinned or
+     chosen by cost for the batch size, comes from `tree_budget.BudgetPolicy`; every request
+     accepts its own number of drafts);
   4. postprocess commits each request's tokens under its stop rules (`postprocess.py`) and
      returns finished requests' pages and rows to the scheduler.
 
@@ -28,18 +29,22 @@ import torch
 from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
 from dflash_trt.engine.postprocess import StepUpdate, commit_tokens
 from dflash_trt.engine.request import Request, RequestParams
-from dflash_trt.engine.runner import ModelRunner
+from dflash_trt.engine.runner import ModelRunner, RoundShape, round_flags
 from dflash_trt.engine.scheduler import Scheduler
+from dflash_trt.engine.tree_budget import BudgetPolicy
 from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.layers.kv_cache import PagedKVCache, pages_for
+from dflash_trt.layers.linear import pack_linears
 from dflash_trt.models.checkpoint import load_drafter
 from dflash_trt.models.dflash_config import TargetInfo, validate_pair
 from dflash_trt.models.loader import load_native_target
-from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+from dflash_trt.spec.decoding_config import DFlashDecodingConfig, check_tree_drafter
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import validate_sampling
 
 log = logging.getLogger(__name__)
+
+WARM_UP_BATCHES = (2, 1)  # batch sizes of the warm-up (a batch of one has a compiled round of its own)
 
 
 class LLMEngine:
@@ -70,10 +75,15 @@ class LLMEngine:
             assert spec.max_draft_len is not None
             block = spec.max_draft_len + 1
         self.block_size = block
+        # DDTree: the budget per round (pinned, or chosen by cost); linear DFlash without a drafter
+        self.budgets = BudgetPolicy.from_config(spec.tree_budget if self.drafter is not None and spec else 0)
+        self._trees = self.budgets.max_budget > 0  # rounds may verify trees: record their budgets
+        self.clock = time.perf_counter  # times rounds for the budget policy (tests inject their own)
         # One GEMM for q/k/v and one for gate/up in both models (fewer, wider GEMMs; same weights).
         self.target.fuse_projections()
         if self.drafter is not None:
             self.drafter.fuse_projections()
+        self.packed_weights = self._pack_weights(config)
         num_pages = self._plan_pages(dtype)
         self.num_kv_pages = num_pages - 1  # page 0 is the padding page
         self.scheduler = Scheduler(
@@ -82,6 +92,7 @@ class LLMEngine:
             num_pages=num_pages,
             page_size=PAGE_SIZE,
             block_size=block,
+            tree_budget=self.budgets.max_budget,
         )
         self.runner = ModelRunner(
             self.target,
@@ -95,6 +106,7 @@ class LLMEngine:
             static_rounds=config.static_rounds,
             use_plugins=config.use_plugins,
             compile=config.compile,
+            compile_dir=config.compile_dir,
             **({"graph_batch_sizes": config.graph_batch_sizes} if config.graph_batch_sizes else {}),
         )
         self._ids = itertools.count()
@@ -102,8 +114,21 @@ class LLMEngine:
         self._aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # from abort
         self._live: dict[int, Request] = {}  # every request added and not yet finished
         self.num_steps = 0
-        log.info("engine: %s target, drafter=%s, block=%d, %d KV pages of %d tokens, device=%s %s",
-                 tcfg.model_type, drafter_dir, block, self.num_kv_pages, PAGE_SIZE, device, dtype)  # fmt: skip
+        log.info("engine: %s target, drafter=%s, block=%d, tree budget %s, %d KV pages of %d tokens, device=%s %s",
+                 tcfg.model_type, drafter_dir, block, "auto" if self.budgets.auto else self.budgets.pinned,
+                 self.num_kv_pages, PAGE_SIZE, device, dtype)  # fmt: skip
+
+    def _pack_weights(self, config: EngineConfig) -> int:
+        """bf16 weights on CPU prepacked for oneDNN (layers/linear.py); not with the drafting plugin,
+        whose kernels read the dense weights. Returns how many weights were packed."""
+        if config.use_plugins:
+            return 0
+        count = pack_linears(self.target)
+        if self.drafter is not None:
+            count += pack_linears(self.drafter)
+        if count:
+            log.info("prepacked %d bf16 weights for oneDNN", count)
+        return count
 
     def _load_drafter(
         self, drafter_dir: str | Path, spec: DFlashDecodingConfig, *, device: torch.device, dtype: torch.dtype
@@ -125,6 +150,8 @@ class LLMEngine:
             TargetInfo(tcfg.hidden_size, tcfg.num_hidden_layers, tcfg.vocab_size, tcfg.model_type),
         )
         spec.validate(block_size=drafter.config.block_size)
+        # DDTree with a DFlash 2 drafter: refused by name, never a silent fallback
+        check_tree_drafter(spec.tree_budget, dflash2=drafter.config.is_dflash2)
         return drafter
 
     # --- memory ---------------------------------------------------------------------------------
@@ -143,8 +170,11 @@ class LLMEngine:
 
     def _plan_pages(self, dtype: torch.dtype) -> int:
         cfg = self.config
-        # Enough for max_batch_size requests of max_seq_len tokens each (reservations are per page).
-        full = cfg.max_batch_size * pages_for(cfg.max_seq_len, PAGE_SIZE) * PAGE_SIZE
+        # Enough for max_batch_size requests of max_seq_len tokens each, plus a DDTree's scratch columns
+        # (reservations are per page).
+        full = (
+            cfg.max_batch_size * pages_for(cfg.max_seq_len + self.budgets.max_budget, PAGE_SIZE) * PAGE_SIZE
+        )
         if cfg.kv_max_tokens is not None:
             tokens = cfg.kv_max_tokens
         elif self.device.type == "cuda":
@@ -200,9 +230,11 @@ class LLMEngine:
             )
         need = self.scheduler.pages_needed(n, max_tokens)
         if need > self.num_kv_pages:
+            scratch = self.scheduler.scratch_tokens
             raise RequestError(
-                f"request needs {need * PAGE_SIZE} KV tokens (prompt {n} + max_tokens {max_tokens}) "
-                f"but the whole cache holds {self.kv_capacity_tokens}",
+                f"request needs {need * PAGE_SIZE} KV tokens (prompt {n} + max_tokens {max_tokens}"
+                + (f" + DDTree scratch {scratch}" if scratch else "")
+                + f") but the whole cache holds {self.kv_capacity_tokens}",
                 field="max_tokens",
                 hint="lower max_tokens or raise kv_cache_config.max_tokens",
             )
@@ -269,32 +301,76 @@ class LLMEngine:
         a request that already finished is left alone."""
         self._aborts.put(request_id)
 
+    def awaits_compiled_rounds(self) -> bool:
+        """Shape classes compiled in the background are still to be loaded (engine/precompile.py)."""
+        rounds = self.runner.rounds
+        return rounds is not None and rounds.expecting
+
+    def load_compiled_rounds(self) -> int:
+        """Load the background-compiled classes that are ready (an idle engine does it between
+        requests rather than in the next round). Engine thread."""
+        rounds = self.runner.rounds
+        return rounds.refresh() if rounds is not None else 0
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._new.empty() or not self._aborts.empty()
 
-    def warm_up(self, batch_sizes: tuple[int, ...] = (2, 1)) -> float:
-        """Run throwaway requests to completion so that what is built on first use (the compiled
-        round for batch 1 and for larger batches, across page-width growth, greedy and sampling) is
-        ready before real traffic. Returns the seconds it took. Engine thread, before serving."""
-        t0 = time.perf_counter()
+    def _warm_up_variants(self) -> list[tuple[int, str, int, RequestParams]]:
+        """(tree budget, mode, batch size, request parameters) of the warm-up's throwaway batches:
+        greedy and sampled, at batch 2 and 1 (a batch of one has a compiled round of its own), at every
+        DDTree budget the policy may choose."""
         new_tokens = min(3 * PAGE_SIZE, self.config.max_seq_len - 2)
+        if new_tokens < 1:
+            return []
+        greedy = RequestParams(max_tokens=new_tokens, ignore_eos=True)
         sampled = RequestParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, seed=0)
-        variants = [
-            (mode, bs, params)
-            for mode, params in (("greedy", RequestParams(max_tokens=new_tokens, ignore_eos=True)), ("sampled", sampled))
-            for bs in batch_sizes
-            if bs <= self.config.max_batch_size and new_tokens >= 1
-        ]  # fmt: skip
-        for n, (mode, bs, params) in enumerate(variants, 1):
-            t1 = time.perf_counter()
-            for i in range(bs):
-                self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, params)
-            while self.has_work():
-                self.step()
-            log.info(
-                "warm-up %d/%d (%s, batch %d): %.1f s", n, len(variants), mode, bs, time.perf_counter() - t1
-            )
+        return [
+            (budget, mode, bs, params)
+            for budget in (self.budgets.budgets() if self.drafter is not None else (0,))
+            for mode, params in (("greedy", greedy), ("sampled", sampled))
+            for bs in WARM_UP_BATCHES
+            if bs <= self.config.max_batch_size
+        ]
+
+    def warm_up_classes(self) -> list[tuple[Any, ...]]:
+        """The compiled rounds' shape classes (engine/compile.py) that `warm_up` runs."""
+        from dflash_trt.engine.compile import RoundCache
+
+        classes = []
+        for budget, _mode, bs, params in self._warm_up_variants():
+            req = self._make_request([1, 1], params, owner=None)
+            g = self._draft_len(bs)
+            shape = RoundShape(g, budget if g > 0 else 0, round_flags([req] * bs))
+            key = RoundCache.class_key(shape.kwargs(), bs == 1)
+            if key not in classes:
+                classes.append(key)
+        return classes
+
+    def warm_up(self) -> float:
+        """Run throwaway requests to completion so that what is built on first use (the compiled
+        round for batch 1 and for larger batches, across page-width growth, greedy and sampling, at
+        every DDTree budget the policy may choose) is ready before real traffic. Returns the seconds
+        it took. Engine thread, before serving."""
+        t0 = time.perf_counter()
+        variants = self._warm_up_variants()
+        try:
+            for n, (budget, mode, bs, params) in enumerate(variants, 1):
+                t1 = time.perf_counter()
+                self.budgets.override = budget
+                for i in range(bs):
+                    self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, params)
+                while self.has_work():
+                    self.step()
+                log.info("warm-up %d/%d (%s, batch %d%s): %.1f s", n, len(variants), mode, bs,
+                         f", tree budget {budget}" if self._trees else "", time.perf_counter() - t1)  # fmt: skip
+        finally:
+            self.budgets.override = None
+            self.budgets.reset()  # warm-up rounds compile: their costs would mislead the choice
         return time.perf_counter() - t0
+
+    def _draft_len(self, batch_size: int) -> int:
+        """Drafts per sequence in a round of `batch_size` sequences (0: plain decoding)."""
+        return self.spec.draft_len_for(batch_size) if self.spec and self.drafter else 0
 
     # --- the step (engine thread) -----------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
@@ -311,15 +387,30 @@ class LLMEngine:
                 req.first_token_time = req.last_token_time = now
                 updates.append(self._postprocess(req, [tok], first=True))
         if batch.decode:
-            g = self.spec.draft_len_for(len(batch.decode)) if self.spec and self.drafter else 0
-            out = self.runner.decode_round(batch.decode, g)
-            now = time.perf_counter()
-            for i, req in enumerate(batch.decode):
-                a = out.accepted[i]
-                req.num_draft_tokens += min(g + 1, req.max_len - req.start) - 1
-                req.last_token_time = now
-                updates.append(self._postprocess(req, [*out.drafts[i][:a], out.emitted[i]], accepted=a))
+            updates.extend(self._round(batch.decode))
         self.num_steps += 1
+        return updates
+
+    def _round(self, reqs: list[Request]) -> list[StepUpdate]:
+        """One round for the running requests: the draft length and tree budget for their number, the
+        round (timed for the budget policy), then each request's tokens through its stop rules."""
+        n = len(reqs)
+        g = self._draft_len(n)
+        budget = self.budgets.choose(n) if g > 0 else 0
+        t0 = self.clock()
+        out = self.runner.decode_round(reqs, g, budget)
+        if g > 0:
+            self.budgets.record(budget, n, self.clock() - t0, out.accepted, out.path)
+        now = time.perf_counter()
+        updates = []
+        for i, req in enumerate(reqs):
+            a = out.accepted[i]
+            req.num_draft_tokens += out.drafted[i]
+            req.num_overturned_draft_tokens += out.overturned[i]
+            req.last_token_time = now
+            if self._trees:
+                req.tree_budgets.append(budget)
+            updates.append(self._postprocess(req, [*out.drafts[i][:a], out.emitted[i]], accepted=a))
         return updates
 
     def fail_all(self) -> list[StepUpdate]:
@@ -372,6 +463,7 @@ class LLMEngine:
             num_rounds=len(req.acceptance_lengths),
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_draft_tokens=req.num_accepted_draft_tokens,
+            num_overturned_draft_tokens=req.num_overturned_draft_tokens,
             finished=req.finished,
         )
 
@@ -392,4 +484,5 @@ class LLMEngine:
             "verify_s": t.verify_s,
             "accept_s": t.accept_s,
             "prefill_s": t.prefill_s,
+            **(self.budgets.summary() if self._trees else {}),
         }

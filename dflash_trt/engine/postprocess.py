@@ -26,6 +26,7 @@ class StepUpdate:
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_overturned_draft_tokens: int = 0
     finished: bool = False  # the request ended with this update (see req.finish_reason)
 
 

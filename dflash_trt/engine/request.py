@@ -66,8 +66,10 @@ class Request:
     stop_reason: int | str | None = None
     # speculative statistics
     acceptance_lengths: list[int] = field(default_factory=list)
+    tree_budgets: list[int] = field(default_factory=list)  # DDTree engines: each round's budget (0 = linear)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_overturned_draft_tokens: int = 0  # DFlash 2: drafts the selector picked over the drafter's argmax
     # timing (perf_counter seconds)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

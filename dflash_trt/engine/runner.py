@@ -6,30 +6,42 @@ A round, for bs sequences at anchor positions start_i with block length B_i <= B
      the draft cache — always, even when this round does not draft, so the draft cache never
      falls behind;
   2. draft g tokens per sequence in one block pass (block positions >= B_i hidden, which reproduces a
-     block of size B_i exactly);
+     block of size B_i exactly); a DFlash 2 drafter's candidate selector walks its top-k candidates
+     instead of taking each slot's argmax;
   3. verify [anchor, drafts] with the target in one pass, writing K/V for the B_i valid tokens and
      keeping the layer taps as the next round's pending context;
-  4. accept on device (greedy or lossless rejection sampling; randomness keyed by position).
-The host reads back only (accepted, emitted, drafts): one synchronisation per round.
+  4. accept on device (greedy or lossless rejection sampling, DFlash 2's with q over the selector's
+     candidates; randomness keyed by position).
+The host reads back only (accepted, emitted, overturned, drafts, ...) as one tensor: one synchronisation
+per round.
 
-Every tensor of the round has a static shape given (bs, g, context pages), so on CUDA the round
-is captured once per (padded batch size, g, page bucket) and replayed from static buffers.
-Padding rows point at page 0, which no sequence owns.
+A DDTree round (tree_budget N > 0; spec/tree.py) drafts the same way, then:
+  2b. builds each request's tree of N drafted nodes from the drafter's distributions (depth <= B_i - 1);
+  3.  verifies the N + 1 nodes in one target pass under the ancestor-only mask, their K/V written to
+      the scratch slots of cache columns start .. start + N (the scheduler reserves them);
+  4.  picks the target's token at every node (argmax, or a sample keyed by the node's position) and
+      walks the accepted path;
+  5.  commits: the path's K/V move to the slots of positions start .. start + a (compaction), and the
+      path's layer taps become the next round's pending context.
+
+Every tensor of the round has a static shape given (bs, g, tree budget, context pages), so on CUDA
+the round is captured once per (padded batch size, g, budget, page bucket) and replayed from static
+buffers. Padding rows point at page 0, which no sequence owns.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
 from dflash_trt.plugins import default_enabled
-from dflash_trt.spec.accept import greedy_accept, rejection_accept
+from dflash_trt.spec.accept import greedy_accept, rejection_accept, rejection_accept_candidates
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -38,8 +50,21 @@ from dflash_trt.spec.sampling import (
     sample_from_probs,
     uniform,
 )
+from dflash_trt.spec.selector import Proposal, WalkFn, propose, selector_walk
+from dflash_trt.spec.tree import (
+    DraftTree,
+    TreeWalk,
+    build_tree,
+    build_tree_host,
+    commit_slots,
+    gather_path,
+    target_tokens,
+    tree_positions,
+    walk_tree,
+)
 
 if TYPE_CHECKING:
+    from dflash_trt.engine.compile import RoundCache
     from dflash_trt.engine.request import Request
     from dflash_trt.models.decoder import NativeTarget
     from dflash_trt.models.drafter import DFlashDrafter
@@ -48,13 +73,20 @@ log = logging.getLogger(__name__)
 
 # Padded batch sizes for captured rounds; a batch replays the smallest graph that fits.
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Eager CPU rounds build DDTrees on the host (heap, `build_tree_host`) up to this many nodes per
+# batch: cheaper than the batched builder's per-depth dispatches there (bench/README.md, DDTree).
+HOST_TREE_MAX_NODES = 256
 
 
 @dataclass
 class RoundOutput:
     accepted: list[int]  # drafts accepted per sequence (before length/stop truncation)
     emitted: list[int]  # the target's token after the accepted drafts
-    drafts: list[list[int]]  # g proposed tokens per sequence
+    drafts: list[list[int]]  # g tokens per sequence: the proposals (linear), the accepted path's (tree)
+    drafted: list[int]  # draft tokens proposed per sequence (linear: B_i - 1; tree: its drafted nodes)
+    path: list[list[int]]  # node index at depth 0..g along the accepted path (the chain: 0..g)
+    overturned: list[int]  # DFlash 2: valid draft slots whose selector pick is not the drafter's argmax
+    tree_budget: int = 0  # the round's DDTree budget (0 = linear DFlash)
 
 
 @dataclass
@@ -86,6 +118,15 @@ class _Sampling:
 
 
 @dataclass
+class _Drafted:
+    """A round's drafts and what acceptance needs to judge them."""
+
+    tokens: torch.Tensor  # [bs, g]
+    q: torch.Tensor | None = None  # [bs, g, V] the draft distribution (v1, sampling batches)
+    proposal: Proposal | None = None  # DFlash 2: q over each slot's candidates, the overturned picks
+
+
+@dataclass
 class PhaseTimes:
     """Wall time per phase, accumulated (seconds). Only synchronised when profiling is on."""
 
@@ -97,7 +138,7 @@ class PhaseTimes:
     rounds: int = 0
 
 
-def _round_flags(reqs: list[Request]) -> tuple[bool, bool, bool]:
+def round_flags(reqs: list[Request]) -> tuple[bool, bool, bool]:
     """(all greedy, any greedy, any top-k/top-p): a round's compile-time sampling mode. Three modes
     only, so that compiled and captured rounds need three variants at most: all-greedy batches take
     the argmax path; every other batch takes the sampling path, which handles greedy rows exactly
@@ -123,13 +164,16 @@ class ModelRunner:
         static_rounds: bool = False,
         use_plugins: bool | None = None,
         compile: bool = False,
+        compile_dir: str | None = None,
     ) -> None:
         """static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
         exercises exactly the padding a captured round sees; tests use it). use_plugins: run KV
         injection, block attention and acceptance on the dflash:: custom ops (Triton kernels on CUDA,
         PyTorch references on CPU); None = on for CUDA when triton is installed. compile: run the round
         through torch.compile (inductor) with dynamic batch and context sizes: one compilation per
-        (g, sampling flags, batch 1 or more), then fused kernels instead of hundreds of dispatches."""
+        (g, tree budget, sampling flags, batch 1 or more), then fused kernels instead of hundreds of
+        dispatches. compile_dir: where compiled rounds are saved and looked for (engine/compile.py);
+        None keeps them in memory only."""
         self.target = target
         self.drafter = drafter
         self.device = target.model.embed_tokens.weight.device
@@ -145,7 +189,9 @@ class ModelRunner:
         self.feature_dim = 0
         if drafter is not None:
             self.draft_cache = drafter.make_cache(num_pages=num_pages, page_size=page_size)
-            drafter.bind_target(target.model.embed_tokens.weight, target.lm_head.weight, None)
+            head = target.lm_head
+            head_weight = head.weight if head.packed is None else head.packed
+            drafter.bind_target(target.model.embed_tokens.weight, head_weight, head.bias)
             self.tap_layers = list(drafter.config.target_layer_ids)
             self.feature_dim = drafter.config.num_target_features * drafter.config.hidden_size
             # Pending context per request row: target taps of the last round's tokens [rows + 1, B, K*D].
@@ -161,13 +207,20 @@ class ModelRunner:
         self._setup_graphs(cuda_graphs, graph_batch_sizes, static_rounds)
         self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
+        # DFlash 2 (drafter.selector): the walk, and acceptance with q over the candidates
+        self._walk: WalkFn = selector_walk
+        self._candidate_accept = rejection_accept_candidates
         if use_plugins if use_plugins is not None else default_enabled(self.device):
-            from dflash_trt.plugins.drafting import enable_plugins
+            from dflash_trt.plugins import drafting
 
-            self.plugins, self._greedy_accept, self._rejection_accept = enable_plugins(drafter, self.device)
-        self._round_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._round_core
-        self.compiled = False
-        self._no_recompile = False
+            self.plugins, self._greedy_accept, self._rejection_accept = drafting.enable_plugins(
+                drafter, self.device
+            )
+            if self.plugins is not None:
+                self._walk = drafting.selector_walk
+                self._candidate_accept = drafting.rejection_accept_candidates
+        self.rounds: RoundCache | None = None  # compiled rounds per shape class, when compiling
+        self.compile_dir = compile_dir
         if compile:
             self.enable_compile()
 
@@ -187,25 +240,41 @@ class ModelRunner:
         self._graphs: dict[tuple, Any] = {}
         self._graph_failed = False
 
-    def enable_compile(self) -> None:
-        """Run rounds through torch.compile from now on (engine/compile.py has the options). The
-        first round of each new shape class compiles; `LLMEngine.warm_up` does that before traffic."""
-        from dflash_trt.engine.compile import compile_round
+    @property
+    def compiled(self) -> bool:
+        return self.rounds is not None
 
-        self._round_fn = compile_round(self._round_core, self.device)
-        self.compiled = True
-        self._no_recompile = False
+    def enable_compile(self) -> None:
+        """Run rounds compiled from now on (engine/compile.py): the first round of each shape class
+        loads its saved compilation or compiles it; `LLMEngine.warm_up` does that before traffic."""
+        from dflash_trt.engine.compile import ROUNDS_DIR, RoundCache, round_fingerprint
+
+        directory = None
+        if self.compile_dir is not None:
+            directory = Path(self.compile_dir) / ROUNDS_DIR / round_fingerprint(self._compile_facts())
+        self.rounds = RoundCache(self._round_core, directory)
+
+    def _compile_facts(self) -> dict[str, Any]:
+        """What a compiled round depends on besides the source code (engine/compile.py)."""
+        return {
+            "device": self.device.type,
+            "dtype": str(self.target.model.embed_tokens.weight.dtype),
+            "target": repr(self.target.config),
+            "drafter": None if self.drafter is None else repr(self.drafter.config),
+            "sizes": (self.max_batch_size, self.num_pages, self.page_size, self.block_size),
+            "plugins": self.plugins is not None,
+        }
 
     def freeze_compiled(self) -> None:
-        """From now on a round of a shape class no graph covers runs eagerly instead of compiling:
-        a compilation takes minutes on a small CPU, and serving must never stall for one (nor trip
-        the engine's wedge watchdog). `LLMEngine.warm_up` compiles the usual classes first."""
-        self._no_recompile = True
+        """From now on a round of a shape class no compiled round covers runs eagerly instead of
+        compiling: a compilation takes minutes on a small CPU, and serving must never stall for one
+        (nor trip the engine's wedge watchdog). `LLMEngine.warm_up` compiles the usual classes first."""
+        if self.rounds is not None:
+            self.rounds.frozen = True
 
     def disable_compile(self) -> None:
         """Back to eager rounds (after a failed compilation)."""
-        self._round_fn = self._round_core
-        self.compiled = self._no_recompile = False
+        self.rounds = None
 
     # ------------------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -287,17 +356,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_round(self, reqs: list[Request], draft_len: int) -> RoundOutput:
-        """One round for `reqs` (all running) with g = draft_len drafts each (0 = plain decoding)."""
+    def decode_round(self, reqs: list[Request], draft_len: int, tree_budget: int = 0) -> RoundOutput:
+        """One round for `reqs` (all running) with g = draft_len drafts each (0 = plain decoding);
+        tree_budget > 0 verifies a DDTree of that many drafted nodes per request instead of the chain."""
         t0 = time.perf_counter()
         g = draft_len if self.drafter is not None else 0
+        budget = tree_budget if g > 0 else 0
         bq = g + 1
         bs = len(reqs)
-        width = pages_for(max(s.start + min(bq, s.max_len - s.start) for s in reqs), self.page_size)
+        block_lens = [min(bq, s.max_len - s.start) for s in reqs]
+        # cache columns the round writes past each anchor: the block, or every node of the tree
+        spans = [budget + 1] * bs if budget else block_lens
+        self._check_scratch(reqs, spans)
+        width = pages_for(max(s.start + n for s, n in zip(reqs, spans)), self.page_size)
         inputs: dict[str, list[Any]] = {
             "anchors": [s.last_token for s in reqs],
             "starts": [s.start for s in reqs],
-            "block_lens": [min(bq, s.max_len - s.start) for s in reqs],
+            "block_lens": block_lens,
             "num_pending": [s.num_pending for s in reqs],
             "rows": [s.row for s in reqs],
             "seeds": [s.seed for s in reqs],
@@ -306,38 +381,64 @@ class ModelRunner:
             "top_p": [s.top_p for s in reqs],
             "greedy_draft": [s.greedy_draft or s.temperature == 0 for s in reqs],
         }
-        flags = _round_flags(reqs)
+        shape = RoundShape(g, budget, round_flags(reqs))
         tables = [s.pages for s in reqs]
         if self.static_rounds and not self._graph_failed:
             try:
-                acc, emit, drafts = self._replay(inputs, tables, bs, g, width, flags)
+                stacked = self._replay(inputs, tables, bs, width, shape)
             except Exception as exc:  # pragma: no cover - GPU only
                 if not self.cuda_graphs:
                     raise
                 log.warning("CUDA graph capture failed (%s); falling back to eager rounds", exc)
                 self._graph_failed = True
                 self._graphs.clear()
-                acc, emit, drafts = self._eager(inputs, tables, g, width, flags)
+                stacked = self._eager(inputs, tables, width, shape)
         else:
-            acc, emit, drafts = self._eager(inputs, tables, g, width, flags)
-        out = RoundOutput(accepted=acc.tolist(), emitted=emit.tolist(), drafts=drafts.tolist())
+            stacked = self._eager(inputs, tables, width, shape)
+        out = _unstack(stacked.tolist(), g, budget)  # the round's one read-back
         self.times.round_s += time.perf_counter() - t0
         self.times.rounds += 1
         return out
 
-    def _eager(self, inputs: dict[str, list], tables: list[list[int]], g: int, width: int, flags: tuple):
+    def _check_scratch(self, reqs: list[Request], spans: list[int]) -> None:
+        """A round writes K/V to cache columns start .. start + span - 1 of each request: they must be
+        its own pages (the scheduler reserves the tree's scratch columns). Never write past them."""
+        for s, n in zip(reqs, spans):
+            if s.start + n > len(s.pages) * self.page_size:
+                raise RuntimeError(
+                    f"request {s.request_id}: a round needs cache columns up to {s.start + n} but it holds "
+                    f"{len(s.pages)} pages of {self.page_size} (the scheduler reserves the tree's scratch)"
+                )
+
+    def _eager(self, inputs: dict[str, list], tables: list[list[int]], width: int, shape: RoundShape):
         dev = self.device
         t = {k: torch.tensor(v, device=dev) for k, v in inputs.items()}
         rows = torch.tensor([p[:width] + [0] * (width - min(width, len(p))) for p in tables], device=dev)
-        if self.compiled:  # the page width grows with the context: one graph for every width
-            torch._dynamo.mark_dynamic(rows, 1)
-        if not self.compiled:
-            return self._round_fn(*self._round_args(t, rows), g=g, flags=flags)
-        from dflash_trt.engine.compile import shape_rules
+        args = self._round_args(t, rows)
+        if self.rounds is None:
+            return self._round_core(*args, **shape.kwargs())
+        return self._compiled_round(self.rounds, args, shape.kwargs())
 
-        stance = "eager_on_recompile" if self._no_recompile else "default"
-        with torch.compiler.set_stance(stance), shape_rules():
-            return self._round_fn(*self._round_args(t, rows), g=g, flags=flags)
+    def _compiled_round(self, rounds: RoundCache, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]):
+        """The round through its shape class's compiled code, or eagerly where there is none. A
+        loaded compilation whose guards refuse the arguments (made for other sizes) is never run: it
+        is dropped and compiled again (before the engine is frozen) or the round runs eagerly."""
+        from dflash_trt.engine.compile import is_guard_failure, shape_rules
+
+        rounds.refresh()
+        with shape_rules():
+            for _ in range(2):
+                fn = rounds.get(args, kwargs)
+                if fn is None:
+                    break
+                try:
+                    return fn(self, *args, **kwargs)
+                except RuntimeError as exc:
+                    if not is_guard_failure(exc):
+                        raise
+                    log.warning("a compiled round refused this batch (%s)", str(exc).splitlines()[-1][:200])
+                    rounds.forget(args, kwargs)
+        return self._round_core(*args, **kwargs)
 
     @staticmethod
     def _round_args(t: dict[str, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -361,31 +462,76 @@ class ModelRunner:
         *,
         g: int,
         flags: tuple[bool, bool, bool],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One round as four named steps: inject, draft, verify, accept. Pure tensor code (no host
-        reads) so that torch.compile and CUDA graphs can take it whole."""
-        bs, dev = anchors.shape[0], anchors.device
+        budget: int = 0,
+    ) -> torch.Tensor:
+        """One round as named steps: inject, draft, verify, accept (a DDTree round: inject, draft, build
+        the tree, verify it, walk it, commit the path). Pure tensor code (no host reads) so that
+        torch.compile and CUDA graphs can take it whole. Returns the results stacked for one read-back
+        ([bs, 2g + 5]: see `_unstack`)."""
         ctx_idx = context_index(tables, self.page_size)  # [bs, W * P]
         cap = tables.shape[1] * self.page_size - 1  # last position the tables cover
-        block_pos = starts[:, None] + torch.arange(g + 1, device=dev)  # [bs, Bq]
+        block_pos = starts[:, None] + torch.arange(g + 1, device=anchors.device)  # [bs, Bq]
         sampling = _Sampling(seeds, temps, top_k, top_p, greedy_draft, flags)
         t_draft = self._phase_clock()
-        drafts = torch.zeros(bs, g, dtype=torch.long, device=dev)
-        q_probs = None
         if self.drafter is not None:
             self._inject(tables, starts, num_pending, rows, cap)
-            if g > 0:
-                drafts, q_probs = self._draft(anchors, block_pos, block_lens, ctx_idx, sampling)
+        ctx = _RoundContext(anchors, starts, block_pos, block_lens, tables, ctx_idx, rows, cap, sampling)
+        if budget > 0 and g > 0:
+            return self._tree_steps(ctx, budget, t_draft)
+        return self._chain_steps(ctx, t_draft)
+
+    def _chain_steps(self, c: _RoundContext, t_draft: float) -> torch.Tensor:
+        """Linear DFlash (or plain decoding, g = 0): draft the chain, verify it, accept a prefix."""
+        bs, bq = c.block_pos.shape
+        g, dev = bq - 1, c.anchors.device
+        drafted = _Drafted(torch.zeros(bs, g, dtype=torch.long, device=dev))
+        d_valid = torch.arange(1, bq, device=dev)[None, :] < c.block_lens[:, None]  # [bs, g] real slots
+        overturned = torch.zeros(bs, dtype=torch.long, device=dev)
+        if self.drafter is not None and g > 0:
+            drafted = self._draft(c.anchors, c.block_pos, c.block_lens, c.ctx_idx, c.sampling)
+            if drafted.proposal is not None:
+                overturned = (drafted.proposal.overturned & d_valid).sum(dim=1)
         t_verify = self._phase_clock()
-        logits = self._verify(anchors, drafts, block_pos, block_lens, starts, tables, ctx_idx, rows, cap)
+        drafts = drafted.tokens
+        logits = self._verify(c.anchors, drafts, c.block_pos, c.block_lens, c.starts, c.tables, c.ctx_idx,
+                              c.rows, c.cap)  # fmt: skip
         t_accept = self._phase_clock()
-        acc, emit = self._accept(drafts, q_probs, logits, block_pos, block_lens, sampling)
+        acc, emit = self._accept(drafted, logits, c.block_pos, d_valid, c.sampling)
+        self._add_phases(t_draft, t_verify, t_accept)
+        chain = torch.arange(bq, device=dev).expand(bs, bq)  # node j sits at depth j
+        return _stack(acc, emit, c.block_lens - 1, overturned, drafts, chain)
+
+    def _tree_steps(self, c: _RoundContext, budget: int, t_draft: float) -> torch.Tensor:
+        """DDTree: draft, build each request's tree of `budget` nodes, verify it, walk it, commit."""
+        g = c.block_pos.shape[1] - 1
+        d_logits = self._draft_logits(c.anchors, c.block_pos, c.block_lens, c.ctx_idx)  # [bs, g, V]
+        build = build_tree_host if self._host_trees(c.anchors.shape[0] * budget) else build_tree
+        tree = build(d_logits, c.anchors, budget=budget, max_depth=c.block_lens - 1)
+        t_verify = self._phase_clock()
+        logits, taps, node_slots = self._verify_tree(tree, c.starts, c.tables, c.ctx_idx, c.cap)
+        t_accept = self._phase_clock()
+        walk = self._accept_tree(tree, logits, c.starts, c.sampling, g)
+        self._commit_tree(walk, node_slots, taps, c.starts, c.tables, c.rows, c.cap)
+        self._add_phases(t_draft, t_verify, t_accept)
+        drafted = tree.valid.sum(dim=1) - 1  # [bs] real nodes below the root
+        none = torch.zeros_like(drafted)  # trees are never built from a DFlash 2 selector (refused)
+        return _stack(walk.accepted, walk.emitted, drafted, none, walk.path_tokens, walk.path_nodes)
+
+    def _host_trees(self, nodes: int) -> bool:
+        """Build trees with the host's heap: eager CPU rounds of at most HOST_TREE_MAX_NODES nodes.
+        Compiled and static (graph) rounds keep the batched builder: no host reads inside them."""
+        return (
+            self.device.type == "cpu"
+            and not (self.compiled or self.static_rounds)
+            and nodes <= HOST_TREE_MAX_NODES
+        )
+
+    def _add_phases(self, t_draft: float, t_verify: float, t_accept: float) -> None:
         if self.profile:
             t_end = self._phase_clock()
             self.times.draft_s += t_verify - t_draft
             self.times.verify_s += t_accept - t_verify
             self.times.accept_s += t_end - t_accept
-        return acc, emit, drafts
 
     def _inject(
         self,
@@ -411,6 +557,29 @@ class ModelRunner:
             ctx_slots.reshape(-1),
         )
 
+    def _draft_logits(
+        self, anchors: torch.Tensor, block_pos: torch.Tensor, block_lens: torch.Tensor, ctx_idx: torch.Tensor
+    ) -> torch.Tensor:
+        """The drafter's logits [bs, g, V] for depths 1..g (raw: no temperature)."""
+        assert self.drafter is not None
+        return self.drafter.compute_logits(self._draft_hidden(anchors, block_pos, block_lens, ctx_idx))
+
+    def _draft_hidden(
+        self, anchors: torch.Tensor, block_pos: torch.Tensor, block_lens: torch.Tensor, ctx_idx: torch.Tensor
+    ) -> torch.Tensor:
+        """One non-causal block pass over [anchor, g masks] -> the final hidden states [bs, g, D] of
+        depths 1..g."""
+        assert self.draft_cache is not None and self.drafter is not None
+        bs, bq = block_pos.shape
+        masks = torch.full((bs, bq - 1), self.mask_token_id, dtype=torch.long, device=anchors.device)
+        block = torch.cat([anchors[:, None], masks], dim=1)  # [bs, Bq]: the anchor, then g mask tokens
+        ctx_lens = block_pos[:, 0].contiguous()  # the anchors' positions; kernels index it flat
+        hidden = (self.plugins or self.drafter).forward_block(
+            self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, ctx_lens, block_lens
+        )  # [bs, Bq, D]
+        # A copy, not a view of rows 1.. (a view's reshape would depend on whether bs is 1).
+        return hidden[:, 1:].clone(memory_format=torch.contiguous_format)
+
     def _draft(
         self,
         anchors: torch.Tensor,
@@ -418,23 +587,19 @@ class ModelRunner:
         block_lens: torch.Tensor,
         ctx_idx: torch.Tensor,
         sampling: _Sampling,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One non-causal block pass proposes g drafts per sequence -> (drafts [bs, g], q [bs, g, V]
-        or None when every request is greedy)."""
-        assert self.draft_cache is not None and self.drafter is not None
+    ) -> _Drafted:
+        """One non-causal block pass proposes g drafts per sequence (drafts [bs, g]; q [bs, g, V], None
+        when every request is greedy). A DFlash 2 drafter's selector proposes instead (`_select`)."""
+        assert self.drafter is not None
         bs, bq = block_pos.shape
         g = bq - 1
-        masks = torch.full((bs, g), self.mask_token_id, dtype=torch.long, device=anchors.device)
-        block = torch.cat([anchors[:, None], masks], dim=1)  # [bs, Bq]: the anchor, then g mask tokens
-        ctx_lens = block_pos[:, 0].contiguous()  # the anchors' positions; kernels index it flat
-        hidden = (self.plugins or self.drafter).forward_block(
-            self.draft_cache, self.drafter.embed_block(block), block_pos, ctx_idx, ctx_lens, block_lens
-        )  # [bs, Bq, D]
-        # A copy, not a view of rows 1.. (a view's reshape would depend on whether bs is 1).
-        d_logits = self.drafter.compute_logits(hidden[:, 1:].clone(memory_format=torch.contiguous_format))
+        slots = self._draft_hidden(anchors, block_pos, block_lens, ctx_idx)  # [bs, g, D]
+        d_logits = self.drafter.compute_logits(slots)  # [bs, g, V]
+        if self.drafter.selector is not None:
+            return self._select(anchors, block_pos, slots, d_logits, sampling)
         argmax = d_logits.argmax(dim=-1)
         if sampling.all_greedy:
-            return argmax, None
+            return _Drafted(argmax)
         vocab = d_logits.shape[-1]
         q_probs = sampling.probs(d_logits.reshape(bs * g, vocab), per_row=g).reshape(bs, g, vocab)
         u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
@@ -442,7 +607,31 @@ class ModelRunner:
         greedy = sampling.greedy_draft
         drafts = torch.where(greedy[:, None], argmax, sampled)
         one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
-        return drafts, torch.where(greedy[:, None, None], one_hot, q_probs)
+        return _Drafted(drafts, q=torch.where(greedy[:, None, None], one_hot, q_probs))
+
+    def _select(
+        self,
+        anchors: torch.Tensor,
+        block_pos: torch.Tensor,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        sampling: _Sampling,
+    ) -> _Drafted:
+        """DFlash 2: the selector's walk over each slot's top-k candidates (hidden [bs, g, D], logits
+        [bs, g, V]) proposes the drafts. Greedy rows (T = 0 or greedy drafts) take the best
+        score, sampled rows draw from softmax(score / T) with the slot's PURPOSE_DRAFT uniform: exactly the
+        reference loop's rule, batched."""
+        assert self.drafter is not None and self.drafter.selector is not None
+        if sampling.all_greedy:  # no draws: skip hashing the uniforms
+            u = torch.zeros(block_pos.shape[0], block_pos.shape[1] - 1, device=block_pos.device)
+        else:
+            u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
+        proposal = propose(
+            hidden=hidden, logits=logits, anchors=anchors, selector=self.drafter.selector,
+            temperature=sampling.temps, greedy=sampling.greedy_draft, u=u, any_sampled=not sampling.all_greedy,
+            walk=self._walk,
+        )  # fmt: skip
+        return _Drafted(proposal.drafts, proposal=proposal)
 
     def _verify(
         self,
@@ -471,68 +660,171 @@ class ModelRunner:
             ctx_idx,
             tap_layers=self.tap_layers,
         )  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
-        if taps is not None:
-            self.pending_feats[:, :bq].index_copy_(0, rows, taps.to(self.pending_feats.dtype))
+        self._keep_pending(taps, rows)
         return logits
+
+    def _keep_pending(self, taps: torch.Tensor | None, rows: torch.Tensor) -> None:
+        """taps [bs, n, K*D] of the round's committed positions (anchor first) -> the requests' rows of
+        pending_feats, injected into the draft cache next round (rows beyond the committed count are
+        never read: num_pending says how many are)."""
+        if taps is not None:
+            n = taps.shape[1]
+            self.pending_feats[:, :n].index_copy_(0, rows, taps.to(self.pending_feats.dtype))
+
+    def _verify_tree(
+        self, tree: DraftTree, starts: torch.Tensor, tables: torch.Tensor, ctx_idx: torch.Tensor, cap: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One target pass over every tree's N nodes under the ancestor-only mask (past context fully
+        visible). Node i's K/V goes to the scratch slot of cache column start + i. Returns logits
+        [bs, N, V], layer taps [bs, N, K*D] (or None) and the nodes' slots [bs, N]."""
+        n1 = tree.tokens.shape[1]
+        cols = starts[:, None] + torch.arange(n1, device=starts.device)  # [bs, N]
+        node_slots = slot_mapping(tables, cols.clamp(max=cap), self.page_size)
+        logits, taps = self.target(
+            tree.tokens,
+            tree_positions(starts, tree),
+            starts + n1,
+            self.target_cache,
+            node_slots,
+            ctx_idx,
+            tap_layers=self.tap_layers,
+            block_mask=tree.visibility,
+        )
+        return logits, taps, node_slots
+
+    def _accept_tree(
+        self, tree: DraftTree, logits: torch.Tensor, starts: torch.Tensor, sampling: _Sampling, g: int
+    ) -> TreeWalk:
+        """The target's own token at every node (argmax, or a sample with the uniform of the position
+        it fills), then the walk from the root along those choices."""
+        all_greedy, any_greedy, needs_filter = sampling.flags
+        chosen = target_tokens(
+            logits, tree, starts, sampling.seeds, sampling.temps, sampling.top_k, sampling.top_p,
+            all_greedy=all_greedy, any_greedy=any_greedy, needs_filter=needs_filter,
+        )  # fmt: skip
+        return walk_tree(tree, chosen, max_depth=g)
+
+    def _commit_tree(
+        self,
+        walk: TreeWalk,
+        node_slots: torch.Tensor,
+        taps: torch.Tensor | None,
+        starts: torch.Tensor,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        cap: int,
+    ) -> None:
+        """Compaction: the accepted path's K/V move from their scratch slots to the slots of positions
+        start .. start + a; the path's taps become the pending context (as the chain's would)."""
+        g1 = walk.path_nodes.shape[1]
+        dest = slot_mapping(
+            tables, (starts[:, None] + torch.arange(g1, device=starts.device)).clamp(max=cap), self.page_size
+        )  # [bs, g + 1]
+        src, dst = commit_slots(walk, node_slots, dest)
+        self.target_cache.copy_slots(src.reshape(-1), dst.reshape(-1))
+        if taps is not None:
+            self._keep_pending(gather_path(taps, walk.path_nodes), rows)
 
     def _accept(
         self,
-        drafts: torch.Tensor,
-        q_probs: torch.Tensor | None,
+        drafted: _Drafted,
         logits: torch.Tensor,
         block_pos: torch.Tensor,
-        block_lens: torch.Tensor,
+        d_valid: torch.Tensor,
         sampling: _Sampling,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy or lossless rejection sampling -> (accepted drafts [bs], emitted token [bs])."""
+        """Greedy or lossless rejection sampling (d_valid [bs, g]: slots inside each block; DFlash 2: q
+        over the selector's candidates) -> (accepted drafts [bs], emitted token [bs])."""
         bs, bq, vocab = logits.shape
-        g = bq - 1
-        d_valid = torch.arange(1, bq, device=drafts.device)[None, :] < block_lens[:, None]  # [bs, g]
+        g, drafts = bq - 1, drafted.tokens
         if sampling.all_greedy:
             return self._greedy_accept(drafts, logits, d_valid)
         p = sampling.probs(logits.reshape(bs * bq, vocab), per_row=bq).reshape(bs, bq, vocab)
-        if q_probs is None:
-            q_probs = p.new_zeros(bs, g, vocab)
-        return self._rejection_accept(
-            drafts,
-            q_probs,
-            p,
-            uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_ACCEPT),
-            uniform(sampling.seeds, block_pos + 1, PURPOSE_EMIT),
-            d_valid,
-        )
+        u_accept = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_ACCEPT)  # [bs, g]
+        u_emit = uniform(sampling.seeds, block_pos + 1, PURPOSE_EMIT)  # [bs, g + 1]
+        if drafted.proposal is not None:
+            cands, cand_q = drafted.proposal.candidates, drafted.proposal.cand_probs  # [bs, g, K] each
+            return self._candidate_accept(drafts, cands, cand_q, p, u_accept, u_emit, d_valid)
+        q_probs = drafted.q if drafted.q is not None else p.new_zeros(bs, g, vocab)
+        return self._rejection_accept(drafts, q_probs, p, u_accept, u_emit, d_valid)
 
     # --- static rounds and CUDA graphs -----------------------------------------------------------
-    def _replay(self, inputs, tables, bs, g, width, flags):
+    def _replay(
+        self, inputs: dict[str, list], tables: list[list[int]], bs: int, width: int, shape: RoundShape
+    ):
         """Pad the batch to the graph ladder and the pages to a power of two, then replay."""
         bs_pad = next(b for b in self.graph_batch_sizes if b >= bs)
         w_pad = 1 << max(0, (width - 1).bit_length())
         w_pad = min(w_pad, self.num_pages - 1)
-        key = (bs_pad, g, w_pad, flags)
+        key = (bs_pad, w_pad, shape)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = _StaticRound(self, bs_pad, g, w_pad, flags, capture=self.cuda_graphs)
+            graph = _StaticRound(self, bs_pad, w_pad, shape, capture=self.cuda_graphs)
             self._graphs[key] = graph
         return graph.run(inputs, tables, bs)
 
 
+@dataclass(frozen=True)
+class RoundShape:
+    """What makes one round's graph differ from another's besides the batch and context sizes."""
+
+    g: int  # drafts per request (block - 1; 0 = plain decoding)
+    budget: int  # DDTree nodes per request (0 = linear)
+    flags: tuple[bool, bool, bool]  # the batch's sampling mode (`round_flags`)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"g": self.g, "flags": self.flags, "budget": self.budget}
+
+
+@dataclass
+class _RoundContext:
+    """The tensors every step of a round reads (see `_round_core`'s arguments)."""
+
+    anchors: torch.Tensor  # [bs]
+    starts: torch.Tensor  # [bs]
+    block_pos: torch.Tensor  # [bs, Bq] positions start .. start + g
+    block_lens: torch.Tensor  # [bs]
+    tables: torch.Tensor  # [bs, W]
+    ctx_idx: torch.Tensor  # [bs, W * P]
+    rows: torch.Tensor  # [bs]
+    cap: int  # last cache column the tables cover
+    sampling: _Sampling
+
+
+def _stack(
+    accepted: torch.Tensor,
+    emitted: torch.Tensor,
+    drafted: torch.Tensor,
+    overturned: torch.Tensor,
+    drafts: torch.Tensor,
+    path: torch.Tensor,
+) -> torch.Tensor:
+    """[bs] x 4, drafts [bs, g], path [bs, g + 1] -> [bs, 2g + 5] long: one tensor, one read-back."""
+    columns = (accepted[:, None], emitted[:, None], drafted[:, None], overturned[:, None], drafts, path)
+    return torch.cat([c.long() for c in columns], dim=1)
+
+
+def _unstack(rows: list[list[int]], g: int, budget: int) -> RoundOutput:
+    """`_stack`'s rows (read back as lists) -> RoundOutput."""
+    return RoundOutput(
+        accepted=[r[0] for r in rows],
+        emitted=[r[1] for r in rows],
+        drafted=[r[2] for r in rows],
+        overturned=[r[3] for r in rows],
+        drafts=[r[4 : 4 + g] for r in rows],
+        path=[r[4 + g :] for r in rows],
+        tree_budget=budget,
+    )
+
+
 class _StaticRound:
-    """Static input buffers for one (padded batch, g, pages, flags) shape, and the copy-in / run /
+    """Static input buffers for one (padded batch, pages, round shape), and the copy-in / run /
     copy-out protocol. With `capture` (CUDA) the round is recorded once as a CUDA graph and
     replayed; without it the same buffers are run eagerly (CPU tests of the padding)."""
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        bs: int,
-        g: int,
-        width: int,
-        flags: tuple[bool, bool, bool],
-        *,
-        capture: bool,
-    ):
+    def __init__(self, runner: ModelRunner, bs: int, width: int, shape: RoundShape, *, capture: bool):
         dev = runner.device
-        self.runner, self.bs, self.g, self.width, self.flags = runner, bs, g, width, flags
+        self.runner, self.bs, self.width, self.shape = runner, bs, width, shape
         self.capture = capture
         i64 = torch.long
         self.buf = {
@@ -553,13 +845,13 @@ class _StaticRound:
             stream = torch.cuda.Stream(device=dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):  # warm up (allocations, autotuning) outside the graph
-                runner._round_core(**self._args(), g=g, flags=flags)
+                runner._round_core(**self._args(), **shape.kwargs())
             torch.cuda.current_stream(dev).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.out = runner._round_core(**self._args(), g=g, flags=flags)
+                self.out = runner._round_core(**self._args(), **shape.kwargs())
 
-    def _args(self) -> dict[str, torch.Tensor]:
+    def _args(self) -> dict[str, Any]:
         return dict(self.buf)
 
     def _fill_padding(self) -> None:
@@ -569,7 +861,7 @@ class _StaticRound:
         self.buf["tables"].zero_()
         self.buf["rows"].fill_(self.runner.max_batch_size)  # the spare pending row
 
-    def run(self, inputs: dict[str, list], tables: list[list[int]], bs: int):
+    def run(self, inputs: dict[str, list], tables: list[list[int]], bs: int) -> torch.Tensor:
         dev = self.runner.device
         self._fill_padding()
         for name, values in inputs.items():
@@ -579,7 +871,7 @@ class _StaticRound:
         self.buf["tables"][:bs].copy_(torch.tensor(rows, dtype=torch.long, device=dev))
         if self.capture:  # pragma: no cover - GPU only
             self.graph.replay()
-            acc, emit, drafts = self.out
+            out = self.out
         else:
-            acc, emit, drafts = self.runner._round_core(**self._args(), g=self.g, flags=self.flags)
-        return acc[:bs], emit[:bs], drafts[:bs]
+            out = self.runner._round_core(**self._args(), **self.shape.kwargs())
+        return out[:bs]

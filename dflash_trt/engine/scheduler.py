@@ -3,8 +3,9 @@
 
 `schedule()`:
   1. admits waiting requests in arrival order while a batch row and enough KV pages are free
-     (pages for prompt + max_tokens are reserved up front, so a running request never runs out;
-     a request that could never fit was refused by `LLMEngine.add_request`);
+     (pages for prompt + max_tokens, plus a DDTree's scratch columns past the last anchor, are
+     reserved up front, so a running request never runs out and a tree never writes past its own
+     pages; a request that could never fit was refused by `LLMEngine.add_request`);
   2. picks prompt chunks for the requests still prefilling, so that prefill and decode tokens stay
      within max_num_tokens (a prefill always gets at least one page of tokens, so it progresses);
   3. puts every running request in the step's round.
@@ -30,11 +31,23 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(
-        self, *, max_batch_size: int, max_num_tokens: int, num_pages: int, page_size: int, block_size: int
+        self,
+        *,
+        max_batch_size: int,
+        max_num_tokens: int,
+        num_pages: int,
+        page_size: int,
+        block_size: int,
+        tree_budget: int = 0,
     ) -> None:
+        """tree_budget: the largest DDTree budget a round may verify (0 = linear DFlash only)."""
         self.max_num_tokens = max_num_tokens
         self.page_size = page_size
-        self.block_size = block_size  # tokens a running request may verify per round
+        # tokens a running request may verify per round: its block, or the tree's nodes and root
+        self.block_size = max(block_size, tree_budget + 1 if tree_budget else 0)
+        # A tree round writes its nodes' K/V to columns start .. start + budget, and start <= max_len - 2
+        # while a request runs: `tree_budget` columns past max_len cover every round.
+        self.scratch_tokens = tree_budget
         self.allocator = PageAllocator(num_pages)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -44,7 +57,7 @@ class Scheduler:
 
     # --- queries ----------------------------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-        return pages_for(prompt_len + max_tokens, self.page_size)
+        return pages_for(prompt_len + max_tokens + self.scratch_tokens, self.page_size)
 
     @property
     def num_active(self) -> int:

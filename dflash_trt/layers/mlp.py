@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trt.layers.linear import FusedLinear
+from dflash_trt.layers.linear import FusedLinear, Linear
 
 
 class SwiGLU(nn.Module):
@@ -15,9 +15,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, *, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.gate_up: FusedLinear | None = None
 
     def fuse(self) -> None:

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_trt.layers.attention import attend
 from dflash_trt.layers.kv_cache import PagedKVCache, store_kv
-from dflash_trt.layers.linear import FusedLinear
+from dflash_trt.layers.linear import FusedLinear, Linear
 from dflash_trt.layers.masks import block_visibility_mask, visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
@@ -33,10 +34,10 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.o_bias)
+        self.q_proj = Linear(d, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, d, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
@@ -81,26 +82,7 @@ class Attention(nn.Module):
                  v.reshape(bs * t, self.num_kv_heads, self.head_dim))  # fmt: skip
         ck, cv = k_pool[ctx_index], v_pool[ctx_index]  # [bs, Lc, Hkv, d]
         qh, kh, vh = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
-        if self.sinks is None:
-            out = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
-            )
-        else:
-            # A sink is one extra key with zero value whose logit is a learned per-head constant:
-            # it takes softmax mass without contributing to the output.
-            zeros = kh.new_zeros(bs, self.num_kv_heads, 1, self.head_dim)
-            kh, vh = torch.cat([kh, zeros], dim=2), torch.cat([vh, zeros], dim=2)
-            bias = torch.zeros(bs, self.num_heads, t, mask.shape[-1], dtype=qh.dtype, device=qh.device)
-            bias = bias.masked_fill(~mask, float("-inf"))
-            sink = self.sinks.to(qh.dtype)[None, :, None, None].expand(bs, -1, t, 1)
-            out = F.scaled_dot_product_attention(
-                qh,
-                kh,
-                vh,
-                attn_mask=torch.cat([bias, sink], dim=-1),
-                scale=self.head_dim**-0.5,
-                enable_gqa=True,
-            )
+        out = attend(qh, kh, vh, mask, scale=self.head_dim**-0.5, sinks=self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(bs, t, self.num_heads * self.head_dim))
 
 
@@ -189,7 +171,7 @@ class NativeTarget(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryEmbedding = RotaryEmbedding(

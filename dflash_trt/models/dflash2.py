@@ -109,6 +109,10 @@ class DFlash2DraftLayer(DraftLayer):
         self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.dflash2)
         self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.dflash2)
 
+    @property
+    def convs(self) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv]:
+        return self.attention_conv, self.mlp_conv
+
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # shapes as in DraftAttention.forward
         h, coeff = self.attention_conv.prepare(self.input_layernorm(x))
         x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, ctx_k, ctx_v, mask), coeff)
@@ -128,12 +132,16 @@ class DFlash2Drafter(DFlashDrafter):
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.dflash2)
 
+    @property
+    def selector(self) -> CandidateSelector:
+        return self.candidate_selector
+
     def convs(self) -> list[GroupedDynamicCausalConv]:
         """Every layer's attention and MLP conv, in layer order."""
         out: list[GroupedDynamicCausalConv] = []
         for layer in self.layers:
             assert isinstance(layer, DFlash2DraftLayer)
-            out += [layer.attention_conv, layer.mlp_conv]
+            out += layer.convs
         return out
 
     def reset_convs(self) -> None:
@@ -155,8 +163,4 @@ class DFlash2Drafter(DFlashDrafter):
 
 def drafter_class(config: DFlashConfig) -> type[DFlashDrafter]:
     """The module class of a checkpoint: DFlash2Drafter for DFlash2DraftModel, else DFlashDrafter."""
-    return DFlash2Drafter if config.dflash2 is not None else DFlashDrafter
-
-
-def is_dflash2(drafter: object) -> bool:
-    return isinstance(drafter, DFlash2Drafter)
+    return DFlash2Drafter if config.is_dflash2 else DFlashDrafter

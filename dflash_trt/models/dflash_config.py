@@ -84,6 +84,12 @@ class DFlashConfig:
         return V1_ARCHITECTURE if self.dflash2 is None else DFLASH2_ARCHITECTURE
 
     @property
+    def is_dflash2(self) -> bool:
+        """A DFlash2DraftModel (convs and a candidate selector): the one test of DFlash 2-ness, which the
+        drafter (`DFlashDrafter.selector`), the engine, the reference loop and the builder read."""
+        return self.dflash2 is not None
+
+    @property
     def num_target_features(self) -> int:
         """K, the number of tapped target layers (not always L)."""
         return len(self.target_layer_ids)

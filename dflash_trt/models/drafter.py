@@ -18,19 +18,23 @@ Only context K/V is cached; block K/V is recomputed every round and never stored
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_trt.layers.attention import attend
 from dflash_trt.layers.kv_cache import PagedKVCache
-from dflash_trt.layers.linear import FusedLinear
+from dflash_trt.layers.linear import FusedLinear, Linear, is_packed, linear
 from dflash_trt.layers.masks import visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
 from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
 from dflash_trt.models.dflash_config import DFlashConfig
+
+if TYPE_CHECKING:
+    from dflash_trt.models.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 
 
 class DraftAttention(nn.Module):
@@ -42,10 +46,10 @@ class DraftAttention(nn.Module):
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         d, h, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(d, h * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, hkv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, hkv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(h * self.head_dim, d, bias=bias)  # o bias too (gpt-oss drafters)
+        self.q_proj = Linear(d, h * self.head_dim, bias=bias)
+        self.k_proj = Linear(d, hkv * self.head_dim, bias=bias)
+        self.v_proj = Linear(d, hkv * self.head_dim, bias=bias)
+        self.o_proj = Linear(h * self.head_dim, d, bias=bias)  # o bias too (gpt-oss drafters)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         # After fuse(): [q; k; v] for the block and [k; v] (a view of its rows) for the context.
@@ -98,9 +102,7 @@ class DraftAttention(nn.Module):
         q, k_blk, v_blk = self.project_block(h, cos, sin)  # [bs, B, H, d], [bs, B, Hkv, d] x 2
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
-        )  # [bs, H, B, d]
+        out = attend(q.transpose(1, 2), k, v, mask, scale=self.head_dim**-0.5)  # [bs, H, B, d]
         return self.o_proj(out.transpose(1, 2).reshape(bs, blk, self.num_heads * self.head_dim))
 
 
@@ -113,6 +115,11 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.causal = cfg.layer_is_causal(layer_idx)
         self.window = cfg.layer_window(layer_idx)
+
+    @property
+    def convs(self) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv] | None:
+        """A DFlash 2 layer's (attention_conv, mlp_conv); None for a v1 layer."""
+        return None
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # shapes as in DraftAttention.forward
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
@@ -129,7 +136,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.fc = nn.Linear(config.num_target_features * d, d, bias=False)
+        self.fc = Linear(config.num_target_features * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
@@ -154,10 +161,10 @@ class DFlashDrafter(nn.Module):
     def bind_target(
         self, embed_weight: torch.Tensor, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None
     ) -> None:
-        """Share the target's token embedding [V, D] and LM head [V, D] (frozen in training)."""
-        if (
-            embed_weight.shape[-1] != self.config.hidden_size
-            or head_weight.shape[-1] != self.config.hidden_size
+        """Share the target's token embedding [V, D] and LM head [V, D] (frozen in training); the head
+        may be a packed weight's placeholder [V, 0] (layers/linear.py)."""
+        if embed_weight.shape[-1] != self.config.hidden_size or not (
+            is_packed(head_weight) or head_weight.shape[-1] == self.config.hidden_size
         ):
             raise ValueError("target embedding/head width differs from the drafter hidden_size")
         self._embed_weight = embed_weight
@@ -171,6 +178,12 @@ class DFlashDrafter(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    @property
+    def selector(self) -> CandidateSelector | None:
+        """DFlash 2's candidate selector, which proposes the drafts instead of the per-slot argmax; None
+        for a v1 drafter. Whoever drafts asks this (never the class): `config.is_dflash2` says the same."""
+        return None
 
     def fuse_projections(self) -> None:
         """q/k/v (block), k/v (context) and gate/up as one GEMM each (inference only; call once the
@@ -264,7 +277,8 @@ class DFlashDrafter(nn.Module):
         # As one 2-D matmul: a strided 3-D input (e.g. hidden[:, 1:]) makes F.linear on CPU fall back to
         # a bmm that first copies the whole [V, D] head per batch (seconds per round in bf16 at 150k vocab).
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self._head_weight.dtype)
-        logits = F.linear(flat, self._head_weight, self._head_bias).view(*hidden.shape[:-1], -1)
+        logits = linear(flat, self._head_weight, self._head_bias)
+        logits = logits.view(*hidden.shape[:-1], -1)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -38,6 +38,7 @@ DFLASH_STATS = {
     "accepted_draft_tokens": "total_accepted_draft_tokens",
     "draft_tokens": "total_draft_tokens",
     "acceptance_rate": "acceptance_rate",
+    "overturned_draft_tokens": "total_overturned_draft_tokens",  # DFlash 2: selector picks over the argmax
 }
 
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.nn import functional as F
 
+from dflash_trt.layers.attention import attend
 from dflash_trt.layers.masks import visibility_mask
 from dflash_trt.plugins import _registry as reg
 from dflash_trt.plugins._registry import jit, tl
@@ -43,7 +43,7 @@ DEFAULT_BLOCK_N = 64  # context keys per tile (untuned: see bench/plugin_kernels
 MAX_SPLITS = 64
 
 
-# --- the PyTorch reference: exactly the drafter's per-layer math (gather + SDPA) ------------------
+# --- the PyTorch reference: exactly the drafter's per-layer math (gather + attend) ----------------
 def block_attention_reference(
     q: torch.Tensor,
     k_block: torch.Tensor,
@@ -73,9 +73,7 @@ def block_attention_reference(
         mask = visibility_mask(q_pos, k_pos, k_valid, causal=causal, window=window or None)
     k = torch.cat([ctx_k, k_block], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
     v = torch.cat([ctx_v, v_block], dim=1).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [bs, H, B, d]
+    out = attend(q.transpose(1, 2), k, v, mask, scale=scale)  # [bs, H, B, d]
     return out.transpose(1, 2).contiguous()
 
 

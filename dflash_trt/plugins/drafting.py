@@ -30,7 +30,7 @@ from dflash_trt.spec import accept as verify
 
 if TYPE_CHECKING:
     from dflash_trt.layers.kv_cache import PagedKVCache
-    from dflash_trt.models.dflash2 import CandidateSelector, GroupedDynamicCausalConv
+    from dflash_trt.models.dflash2 import GroupedDynamicCausalConv
     from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class DrafterPlugins:
         for i, module in enumerate(dr.layers):
             layer = cast("DraftLayer", module)
             a = layer.self_attn
-            convs = conv_pair(layer)  # DFlash 2: (attention_conv, mlp_conv), else None
+            convs = layer.convs  # DFlash 2: (attention_conv, mlp_conv), else None
             h = layer.input_layernorm(x)  # [bs, B, D]
             if convs is not None:
                 h, coeff = conv_prepare(convs[0], h)
@@ -150,12 +150,6 @@ class DrafterPlugins:
 
 
 # --- DFlash 2: the convs and the selector walk on their ops ---------------------------------------------
-def conv_pair(layer: DraftLayer) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv] | None:
-    """A DFlash 2 layer's (attention_conv, mlp_conv); None for a v1 layer."""
-    conv_a, conv_m = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)
-    return None if conv_a is None or conv_m is None else (conv_a, conv_m)
-
-
 def conv_prepare(conv: GroupedDynamicCausalConv, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GroupedDynamicCausalConv.prepare on dflash::dynamic_conv: h [bs, B, D] -> (out, coeff [bs, B, 2, K, G])."""
     coeff = conv.coefficients(h)
@@ -204,6 +198,23 @@ def rejection_accept(
     return acc, emit
 
 
+def rejection_accept_candidates(
+    draft_tokens: torch.Tensor,
+    candidates: torch.Tensor,
+    cand_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_emit: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify.rejection_accept_candidates on dflash::rejection_accept: q over the candidates [N, g, K]
+    scattered into the vocabulary (zero elsewhere), which is the same rule (spec/selector.py
+    `Proposal.dense_probs`)."""
+    dense = cand_probs.new_zeros(*cand_probs.shape[:2], target_probs.shape[-1])  # [N, g, V]
+    dense.scatter_(-1, candidates, cand_probs)
+    return rejection_accept(draft_tokens, dense, target_probs, u_accept, u_emit, valid)
+
+
 # --- enabling in the runner -----------------------------------------------------------------------
 def enable_plugins(
     drafter: DFlashDrafter | None, device: torch.device, *, check: bool | None = None
@@ -220,7 +231,8 @@ def enable_plugins(
         if problem is not None:
             log.warning("dflash plugin disabled, using the PyTorch path: %s", problem)
             return None, verify.greedy_accept, verify.rejection_accept
-    log.info("dflash plugin on (%s): inject_context, block_attention, greedy/rejection accept", device)
+    log.info("dflash plugin on (%s): inject_context, block_attention, greedy/rejection accept%s", device,
+             ", dynamic_conv, selector_walk" if drafter is not None and drafter.selector is not None else "")  # fmt: skip
     return plugins, greedy_accept, rejection_accept
 
 
@@ -336,8 +348,9 @@ def _check_dflash2(drafter: DFlashDrafter, rand: _RandomInputs) -> str | None:
     """The DFlash 2 ops at the drafter's sizes against their references (None for a v1 drafter)."""
     from dflash_trt.plugins import dynamic_conv, selector_walk
 
-    convs = conv_pair(cast("DraftLayer", drafter.layers[0]))
-    if convs is None:
+    convs = cast("DraftLayer", drafter.layers[0]).convs
+    sel = drafter.selector
+    if convs is None or sel is None:
         return None
     conv, tol = convs[0], _tolerance(drafter)
     dtype = conv.base_kernel.dtype
@@ -349,7 +362,6 @@ def _check_dflash2(drafter: DFlashDrafter, rand: _RandomInputs) -> str | None:
                                                    conv.group_size)  # fmt: skip
         if not torch.allclose(got, want, atol=tol, rtol=tol):
             return "dflash::dynamic_conv disagrees with its reference"
-    sel = cast("CandidateSelector", drafter.candidate_selector)
     n, g, vocab = 3, drafter.config.max_draft_len, sel.predecessor_codebook.shape[0]
     unary, cand = torch.topk(rand.normal(n, g, vocab), min(sel.top_k, vocab), dim=-1, sorted=False)
     args = (unary, cand, sel.project(rand.normal(n, g, drafter.config.hidden_size, dtype=dtype)),

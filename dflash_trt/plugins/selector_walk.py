@@ -192,16 +192,16 @@ def selector_walk(
 
 @selector_walk.register_kernel("cuda")
 def _selector_walk_cuda(
-    unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy
+    unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy, any_sampled=True
 ):
     return launch_selector_walk(
-        unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy
+        unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy, any_sampled
     )
 
 
 @selector_walk.register_fake
 def _selector_walk_fake(
-    unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy
+    unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy, any_sampled=True
 ):
     n, g, k = unary.shape
     return (

@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.nn import functional as F
 
+from dflash_trt.layers.attention import attend
 from dflash_trt.plugins import _registry as reg
 from dflash_trt.plugins._registry import jit, tl
 
@@ -61,7 +61,7 @@ def tree_attention_reference(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Shapes as in the module docstring. Returns a fresh contiguous [bs, T, H, d]."""
-    bs, t, h, _ = q.shape
+    bs, t = q.shape[:2]
     lc = ctx_index.shape[1]
     dev = q.device
     q_pos = ctx_lens[:, None] + depths  # [bs, T]
@@ -74,20 +74,7 @@ def tree_attention_reference(
     mask = torch.cat([ctx_vis, tree_vis], dim=2)[:, None]  # [bs, 1, T, Lc + T]
     k = torch.cat([k_cache[ctx_index], k_tree], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + T, d]
     v = torch.cat([v_cache[ctx_index], v_tree], dim=1).transpose(1, 2)
-    qh = q.transpose(1, 2)  # [bs, H, T, d]
-    if sinks is None:
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    else:
-        # the sink: one more key with zero value whose logit is the per-head constant
-        zeros = k.new_zeros(bs, k.shape[1], 1, k.shape[-1])
-        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
-        bias = torch.zeros(bs, h, t, mask.shape[-1], dtype=q.dtype, device=dev).masked_fill(
-            ~mask, float("-inf")
-        )
-        sink = sinks.to(q.dtype)[None, :, None, None].expand(bs, h, t, 1)
-        out = F.scaled_dot_product_attention(
-            qh, k, v, attn_mask=torch.cat([bias, sink], dim=-1), scale=scale, enable_gqa=True
-        )
+    out = attend(q.transpose(1, 2), k, v, mask, scale=scale, sinks=sinks)  # [bs, H, T, d]
     return out.transpose(1, 2).contiguous()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 
@@ -28,7 +27,6 @@ from dflash_trt.layers.kv_cache import (
     pages_for,
     slot_mapping,
 )
-from dflash_trt.models.dflash2 import DFlash2Drafter, is_dflash2
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.reference.hf_target import TargetAdapter
 from dflash_trt.spec.accept import greedy_accept, rejection_accept, rejection_accept_candidates
@@ -62,10 +60,17 @@ class GenerationResult:
     num_overturned: int = 0  # DFlash 2: drafts where the selector overturned the drafter's argmax
     block_size: int = 1
     extra: dict = field(default_factory=dict)
+    tree_budgets: list[int] | None = None  # DDTree runs: each round's budget (0 = a linear round)
 
     @property
     def num_rounds(self) -> int:
         return len(self.acceptance_lengths)
+
+    @property
+    def overturn_rate(self) -> float:
+        """Share of drafts whose DFlash 2 selector pick is not the drafter's argmax (0.0 for v1 drafters,
+        whose drafts are the argmax, and when nothing was drafted)."""
+        return self.num_overturned / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -74,9 +79,18 @@ class GenerationResult:
             return 0.0
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
+    @property
+    def tree_mean_acceptance_length(self) -> float | None:
+        """DDTree runs: tau over the rounds that verified a tree (None when none did)."""
+        if not self.tree_budgets:
+            return None
+        tree = [n for n, b in zip(self.acceptance_lengths, self.tree_budgets) if b > 0]
+        return sum(tree) / len(tree) if tree else None
+
     def to_json(self, text: str | None) -> dict:
-        """The `dflash-trt generate --json` contract."""
-        return {
+        """The `dflash-trt generate --json` contract (DDTree runs add tree_budgets, each round's
+        budget, and tree_mean_acceptance_length, tau over the tree rounds)."""
+        out = {
             "output_ids": self.output_ids,
             "acceptance_lengths": self.acceptance_lengths,
             "text": text,
@@ -84,7 +98,14 @@ class GenerationResult:
             "mean_acceptance_length": self.mean_acceptance_length,
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_overturned_draft_tokens": self.num_overturned,
+            "overturn_rate": self.overturn_rate,
         }
+        if self.tree_budgets is not None:
+            out["tree_budgets"] = self.tree_budgets
+            out["tree_mean_acceptance_length"] = self.tree_mean_acceptance_length
+        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -176,7 +197,7 @@ class _Draft:
         hidden = self.hidden(block, pending, start)[:, 1:]  # [1, g, D]
         draft_logits = self.drafter.compute_logits(hidden[0])  # [g, V]
         sampling = sampler.config
-        if is_dflash2(self.drafter):
+        if self.drafter.selector is not None:
             return self._select(block, hidden, draft_logits[None], start, sampler)
         draft_probs = None
         if sampling.is_greedy or sampling.greedy_draft:
@@ -197,7 +218,8 @@ class _Draft:
         the drafts into block[0, 1:]. Returns the proposal (q over the candidates), None when greedy."""
         cfg = sampler.config
         g = logits.shape[1]
-        selector = cast(DFlash2Drafter, self.drafter).candidate_selector
+        selector = self.drafter.selector
+        assert selector is not None
         proposal = propose(
             hidden=hidden, logits=logits, anchors=block[:, 0], selector=selector, temperature=sampler.temp,
             greedy=torch.tensor([cfg.is_greedy or cfg.greedy_draft], device=sampler.device),
@@ -338,6 +360,7 @@ class _Loop:
     pending: torch.Tensor | None  # [n_pending, K * D] features of positions [start - n_pending, start)
     finish: str  # "stop" once a stop token is out, else "length"
     rounds: list[int] = field(default_factory=list)  # tokens each round produced
+    budgets: list[int] = field(default_factory=list)  # each round's DDTree budget (0 = linear)
     drafted: int = 0
     accepted: int = 0
 
@@ -393,6 +416,7 @@ def spec_generate(
         num_accepted_draft_tokens=loop.accepted,
         num_overturned=draft.num_overturned if draft is not None else 0,
         block_size=block_size,
+        tree_budgets=loop.budgets if budget and draft is not None else None,
     )
 
 
@@ -405,7 +429,9 @@ def _tree_budget(tree_budget: int | str, drafter: DFlashDrafter | None) -> int:
             "verifies a fixed budget", hint="pass a number of nodes, e.g. 32",
         )  # fmt: skip
     assert isinstance(budget, int)
-    check_tree_drafter(budget, dflash2=drafter is not None and is_dflash2(drafter), field_name="tree_budget")
+    check_tree_drafter(
+        budget, dflash2=drafter is not None and drafter.config.is_dflash2, field_name="tree_budget"
+    )
     return budget
 
 
@@ -459,4 +485,5 @@ def _round(
     if layer_ids is not None:
         loop.pending = committed
     loop.rounds.append(produced)
+    loop.budgets.append(budget if path is not None else 0)
     assert 1 <= produced <= size and target.cache_length == loop.start

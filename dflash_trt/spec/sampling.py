@@ -32,7 +32,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
-    greedy_draft: bool = False  # at T > 0, propose argmax drafts (the one-hot rule) instead of sampling q
+    greedy_draft: bool = False  # at T > 0, propose greedy drafts (one-hot rule; DFlash 2: the selector's best) instead of sampling q
 
     def __post_init__(self) -> None:
         validate_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)

@@ -34,11 +34,16 @@ WalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [..., V] -> (unary [..., K] in the logits' dtype, candidates [..., K] int64).
+    """logits: [..., V] -> (unary [..., K] in the logits' dtype, candidates [..., K] int64), best first.
 
-    `sorted=False`, as the authors' reference: the order of the K candidates is whatever topk gives,
-    which only matters for exact ties (argmax takes the first maximal index)."""
-    unary, cand = torch.topk(logits, k, dim=-1, sorted=False)
+    Sorted, unlike the authors' reference (`sorted=False`, whose order is whatever the selection
+    algorithm leaves). The order decides nothing at T = 0 but exact ties (argmax takes the first maximal
+    index), but a sampled pick is an inverse-CDF draw over the candidates in this order: left to the
+    algorithm, rounding noise anywhere in a slot's logits (another batch shape, a fused GEMM) can permute
+    the candidates and change the draw. Sorted, only near-tied candidates can swap, so a request samples
+    the same drafts in the engine's batch as in the batch-1 reference loop. The distribution of the pick
+    is the same either way."""
+    unary, cand = torch.topk(logits, k, dim=-1, sorted=True)
     return unary, cand
 
 
@@ -94,8 +99,8 @@ def selector_walk(
     on sampled rows, one-hot at the pick on greedy rows). Scores are computed in float32.
 
     A slot's uniform does not depend on the predecessor, so the pick after each of the K possible
-    predecessors is decided for all slots at once (`score_lattice`); the walk itself is then g
-    gathers, one per slot.
+    predecessors is decided for all slots at once (`score_lattice`); the walk itself is then the
+    composition of those g maps (`walk_picks`: log2(g) rounds of gathers).
     """
     n, g, k = candidates.shape
     if g == 0:
@@ -108,18 +113,30 @@ def selector_walk(
         q = torch.softmax(scores / safe_t[:, None, None, None], dim=-1)  # [N, g, K, K]
         drawn = sample_from_probs(q.reshape(-1, k), u[:, :, None].expand(n, g, k).reshape(-1)).view(n, g, k)
         after = torch.where(greedy[:, None, None], after, drawn)
-    prevs, picks = [], []
-    pick = torch.zeros(n, dtype=torch.int64, device=candidates.device)  # slot 0: every row is the anchor's
-    for j in range(g):
-        prevs.append(pick)
-        pick = after[:, j].gather(1, pick[:, None])[:, 0]
-        picks.append(pick)
-    picks_t, prev_t = torch.stack(picks, dim=1), torch.stack(prevs, dim=1)  # [N, g]
+    picks_t = walk_picks(after)  # [N, g]
+    # [N, g]: the predecessor index of each slot; slot 0's is 0 (all its rows are the anchor's)
+    prev_t = F.pad(picks_t[:, :-1], (1, 0))
     one_hot = scores.new_zeros(n, g, k).scatter_(-1, picks_t[..., None], 1.0)
     if q is None:
         return picks_t, one_hot
     rows = q.gather(2, prev_t[:, :, None, None].expand(n, g, 1, k))[:, :, 0]  # [N, g, K]
     return picks_t, torch.where(greedy[:, None, None], one_hot, rows)
+
+
+def walk_picks(after: torch.Tensor) -> torch.Tensor:
+    """after: [N, g, K] int64, entry (j, a) the pick of slot j after candidate a of slot j - 1 (slot 0: the
+    same for every a) -> picks [N, g]: pick_0 = after[0][0], pick_j = after[j][pick_{j-1}].
+
+    The sequential walk as a prefix composition of the slots' maps K -> K (Hillis-Steele): after the round
+    with offset d, map j is slot j's composed with the d - 1 slots before it, so ceil(log2 g) rounds of
+    one batched gather each replace g dependent steps; the picks are the composed maps at index 0."""
+    maps, step, g = after, 1, after.shape[1]
+    while step < g:
+        # map j after map j - step: composed(a) = maps[j][maps[j - step][a]]
+        composed = maps[:, step:].gather(2, maps[:, :-step])  # [N, g - step, K]
+        maps = torch.cat([maps[:, :step], composed], dim=1)
+        step *= 2
+    return maps[:, :, 0].contiguous()
 
 
 @dataclass(frozen=True)
@@ -168,5 +185,7 @@ def propose(
         temperature.float(), u.float(), greedy, any_sampled,
     )  # fmt: skip
     drafts = cand.gather(-1, picks[..., None])[..., 0]  # [N, g]
-    top1 = cand.gather(-1, unary.argmax(dim=-1, keepdim=True))[..., 0]  # [N, g]: the argmax token
-    return Proposal(drafts=drafts, candidates=cand, cand_probs=q, picks=picks, overturned=drafts != top1)
+    # candidates come best first: column 0 is the drafter's argmax token
+    return Proposal(
+        drafts=drafts, candidates=cand, cand_probs=q, picks=picks, overturned=drafts != cand[..., 0]
+    )

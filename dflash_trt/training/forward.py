@@ -31,7 +31,6 @@ from torch.nn import functional as F
 
 from dflash_trt.layers.masks import apply_visibility
 from dflash_trt.layers.rope import apply_rope
-from dflash_trt.models.dflash2 import DFlash2Drafter, DFlash2DraftLayer
 from dflash_trt.models.dflash_config import max_draft_len_for
 from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
 
@@ -195,7 +194,7 @@ def training_forward(
                 apply_visibility(q_pos, blk_pos[:, :, None, :], blk_base, causal=key[0], window=key[1]),
             )
         attn = layer.self_attn
-        convs = (layer.attention_conv, layer.mlp_conv) if isinstance(layer, DFlash2DraftLayer) else None
+        convs = layer.convs  # DFlash 2: (attention_conv, mlp_conv); None for v1
         hs = layer.input_layernorm(x)
         if convs is not None:  # DFlash 2: the conv runs along each block's B slots (dim -2)
             hs, coeff = convs[0].prepare(hs)
@@ -228,7 +227,7 @@ class LossStats:
 
 
 def selector_terms(
-    drafter: DFlash2Drafter,
+    drafter: DFlashDrafter,
     hidden: torch.Tensor,
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -244,7 +243,8 @@ def selector_terms(
     """
     from dflash_trt.spec.selector import pair_scores
 
-    sel = drafter.candidate_selector
+    sel = drafter.selector
+    assert sel is not None, "selector_terms needs a DFlash 2 drafter"
     unary, cand = torch.topk(logits, sel.top_k, dim=-1)  # [M, K], sorted: column K - 1 is the weakest
     present = cand == labels[:, None]  # [M, K]
     missing = ~present.any(dim=-1)  # [M]
@@ -275,7 +275,7 @@ def dflash_loss(
     prev = torch.cat([batch.labels[..., :1], batch.labels[..., :-1]], dim=-1)[sel]  # [M]
     w = batch.weights[sel].float()  # [M]
     total_w = w.sum()
-    dflash2 = drafter if isinstance(drafter, DFlash2Drafter) else None
+    dflash2 = drafter if drafter.selector is not None else None
     if h.shape[0] == 0:
         zero = hidden.sum() * 0.0
         return zero, LossStats(0.0, 0.0, [0.0] * max_draft_len_for(batch.block_size), 1.0)

@@ -86,6 +86,7 @@ OUTPUTS: tuple[Port, ...] = (
     Port("num_input_tokens", "TYPE_INT32", (1,), ours=True),
     Port("mean_acceptance_length", "TYPE_FP32", (1,), ours=True),
     Port("num_rounds", "TYPE_INT32", (1,), ours=True),
+    Port("total_overturned_draft_tokens", "TYPE_INT32", (1,), ours=True),
 )
 
 ENGINES = ("dflash_trt", "tensorrt_llm")

@@ -47,6 +47,17 @@ def test_against_a_peers_best_configuration_whatever_its_mode(tmp_path):
     }
 
 
+def test_our_ddtree_runs_are_compared_with_the_peers_dflash(tmp_path):
+    _run(tmp_path, "ours-default-dflash", {1: 300.0})
+    _run(tmp_path, "ours-default-ddtree", {1: 360.0})
+    _run(tmp_path, "vllm-dflash-1", {1: 200.0})
+    subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path),
+                    "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=True)  # fmt: skip
+    ratios = json.loads((tmp_path / "s.json").read_text())["ratios"]
+    assert ratios["ours-default-ddtree / best vllm-dflash"] == {"1": 1.8}
+    assert ratios["ours-default-dflash / best vllm-dflash"] == {"1": 1.5}
+
+
 def test_empty_directory_is_an_error(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path)],
                          capture_output=True, text=True)  # fmt: skip

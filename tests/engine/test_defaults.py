@@ -69,17 +69,17 @@ def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tm
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's own: ours replaces it
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "0")
-    assert _compile_wanted(None, CPU, str(tmp_path)) is False  # opted out
+    assert _compile_wanted(None, CPU, str(tmp_path)) == (False, None)  # opted out
     monkeypatch.delenv(compile_mod.COMPILE_ENV)
     monkeypatch.setattr(compile_mod, "unsupported_reason", lambda device: None)
-    assert _compile_wanted(None, CPU, str(tmp_path)) is True  # the default where it can run
     cache = tmp_path / compile_mod.machine_key(CPU)
+    assert _compile_wanted(None, CPU, str(tmp_path)) == (True, str(cache))  # the default where it can run
     assert cache.is_dir() and str(cache) == __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]
     monkeypatch.setattr(compile_mod, "unsupported_reason", lambda device: "no C++ compiler on PATH")
     with caplog.at_level(logging.WARNING):
-        assert _compile_wanted(True, CPU, str(tmp_path)) is False  # asked for, impossible: eager
+        assert _compile_wanted(True, CPU, str(tmp_path)) == (False, None)  # asked for, impossible: eager
     assert "compiled rounds are off: no C++ compiler on PATH" in caplog.text
-    assert _compile_wanted(False, CPU, str(tmp_path)) is False
+    assert _compile_wanted(False, CPU, str(tmp_path)) == (False, None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept
     assert compile_mod.use_cache_root(tmp_path / "other", CPU) == tmp_path / "mine"
 

@@ -485,32 +485,6 @@ def test_tensorrt_llm_prompt_forms_give_the_same_output():
     assert outs[2].prompt == "def f(x):" and outs[3].prompt is None
 
 
-@pytest.mark.slow
-def test_compiled_rounds_equal_eager_rounds():
-    """LLM(compile=True): the round through torch.compile (inductor) gives the eager engine's greedy
-    tokens, batched and alone, and its warm-up is not reported as traffic."""
-    from torch._dynamo.utils import counters
-
-    from dflash_trt.tiny import heldout_prompts
-
-    tiny = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"}
-    prompts = heldout_prompts()[:3]
-    sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    with LLM("tiny", speculative_config=tiny, max_batch_size=4) as eager:
-        want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp)]
-    with LLM("tiny", speculative_config=tiny, max_batch_size=4, compile=True) as llm:
-        assert llm.engine.runner.compiled
-        assert llm.drain_round_times() == []  # warm-up rounds are not reported
-        compiled = counters["stats"]["unique_graphs"]
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        alone = llm.generate(prompts[0], sp).outputs[0].token_ids
-        # a mode the warm-up did not compile (top-k filtering) runs eagerly: serving never stalls
-        filtered = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.8, top_k=5, seed=1))
-        assert all(len(o.outputs[0].token_ids) > 0 for o in filtered)
-        assert counters["stats"]["unique_graphs"] == compiled  # nothing compiled after the warm-up
-    assert got == want and alone == want[0]
-
-
 def test_text_prompts_equal_token_prompts_and_tokenizer():
     with LLM("tiny") as llm:
         text = llm.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True)).outputs[0]

@@ -116,9 +116,9 @@ def run_engine(
     if rounds is not None:
         decode_round = runner.decode_round
 
-        def recording(seqs: list, draft_len: int):
+        def recording(seqs: list, draft_len: int, tree_budget: int = 0):
             block_lens = [min(draft_len + 1, s.max_len - s.start) for s in seqs]
-            out = decode_round(seqs, draft_len)
+            out = decode_round(seqs, draft_len, tree_budget)
             for s, a, e, d, b in zip(seqs, out.accepted, out.emitted, out.drafts, block_lens):
                 rounds.setdefault(s.request_id, []).append((a, e, d[: b - 1]))
             return out

@@ -174,3 +174,57 @@ def test_block_pass_and_proposal_on_the_kernels(monkeypatch, variant):
         on_torch = propose(**kw)
     assert torch.equal(on_kernel.drafts, on_torch.drafts)
     torch.testing.assert_close(on_kernel.cand_probs, on_torch.cand_probs, atol=1e-5, rtol=1e-5)
+
+
+# --- the engine's round on the interpreted kernels -------------------------------------------------------
+def test_engine_dflash2_round_on_the_kernels(monkeypatch, tmp_path):
+    """A DFlash 2 drafter in the engine with every op of the round on its interpreted kernel (inject,
+    block attention, the convs, the selector walk, greedy and rejection acceptance; static padded rounds):
+    every round of greedy and sampled requests proposes, accepts and emits exactly what the engine on the
+    PyTorch path does, and greedy output is the reference loop's."""
+    from dflash_trt import SamplingParams
+    from dflash_trt.models.checkpoint import save_drafter
+    from dflash_trt.plugins import accept, block_attention, context_kv
+    from tests.plugins.conftest import BLOCK, reference_greedy, run_engine
+
+    target = make_target("qwen3", seed=31, vocab=13)
+    target.save_pretrained(tmp_path / "target")
+    drafter = make_drafter(target, block_size=BLOCK, seed=32, std=0.5, dflash2=True)
+    with torch.no_grad():
+        drafter.selector.successor_codebook.mul_(6.0)  # pair scores that overturn argmax picks
+    save_drafter(drafter, tmp_path / "drafter")
+    pair = (tmp_path / "target", tmp_path / "drafter", target)
+    launched: set[str] = set()
+    for mod, name in ((context_kv, "launch_inject_context"), (block_attention, "launch_block_attention"),
+                      (dynamic_conv, "launch_dynamic_conv"), (selector_walk, "launch_selector_walk"),
+                      (accept, "launch_greedy_accept"), (accept, "launch_rejection_accept")):  # fmt: skip
+        real = getattr(mod, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            launched.add(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    jobs = [
+        ([3, 1, 4, 1, 5], 9),
+        ([2, 7], SamplingParams(max_tokens=8, temperature=0.9, seed=5)),
+        ([6] * 9, 7),
+    ]
+    want_rounds: dict[int, list] = {}
+    want, _ = run_engine(pair, jobs, use_plugins=False, rounds=want_rounds)
+    assert not launched
+    got_rounds: dict[int, list] = {}
+    _registry.set_triton_on_cpu(True)
+    try:
+        got, (_, outs) = run_engine(pair, jobs, use_plugins=True, static_rounds=True, rounds=got_rounds)
+    finally:
+        _registry.set_triton_on_cpu(False)
+    assert launched == {"launch_inject_context", "launch_block_attention", "launch_dynamic_conv",
+                        "launch_selector_walk", "launch_greedy_accept", "launch_rejection_accept"}  # fmt: skip
+    assert got_rounds == want_rounds and got == want
+    for (prompt, max_tokens), tokens in zip(jobs, got):
+        if isinstance(max_tokens, int):
+            assert tokens == reference_greedy(pair, prompt, max_tokens).output_ids
+    overturned = sum(o.outputs[0].request_perf_metrics.speculative_decoding.total_overturned_draft_tokens
+                     for o in outs)  # fmt: skip
+    assert overturned > 0

@@ -11,7 +11,7 @@ import torch
 
 from dflash_trt.layers.kv_cache import context_index
 from dflash_trt.plugins import dynamic_conv, load_ops, selector_walk
-from dflash_trt.plugins.drafting import DrafterPlugins, conv_pair
+from dflash_trt.plugins.drafting import DrafterPlugins
 from dflash_trt.plugins.drafting import selector_walk as walk_op
 from dflash_trt.spec.selector import propose
 from dflash_trt.spec.selector import selector_walk as walk_reference
@@ -68,7 +68,7 @@ def test_block_pass_equals_the_drafter_exactly(target, variant, page):
 
 def test_conv_op_is_the_modules_halves(target):
     drafter = make_drafter(target, dflash2=True, std=0.5)
-    conv = conv_pair(drafter.layers[0])[0]
+    conv = drafter.layers[0].convs[0]
     h = torch.randn(2, 4, 48)
     with torch.no_grad():
         out, coeff = conv.prepare(h)

@@ -132,12 +132,13 @@ def test_response_and_chunk_shapes() -> None:
                       "stream_options": {"include_usage": True}}, SERVED)  # fmt: skip
     o = P.Outcome(text="hi", prompt_tokens=5, completion_tokens=2, finish_reason="length",
                   stats={"mean_acceptance_length": 2.0000000476837, "num_rounds": 1, "total_draft_tokens": 15,
-                         "total_accepted_draft_tokens": 1, "acceptance_rate": 1 / 15})  # fmt: skip
+                         "total_accepted_draft_tokens": 1, "acceptance_rate": 1 / 15,
+                         "total_overturned_draft_tokens": 4})  # fmt: skip
     full = P.full_response(g, "chatcmpl-1", 0, o)
     assert full["object"] == "chat.completion" and full["choices"][0]["message"]["content"] == "hi"
     assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     assert full["dflash"] == {"mean_acceptance_length": 2.0, "num_rounds": 1, "accepted_draft_tokens": 1,
-                              "draft_tokens": 15, "acceptance_rate": 0.066667}  # fmt: skip
+                              "draft_tokens": 15, "acceptance_rate": 0.066667, "overturned_draft_tokens": 4}  # fmt: skip
     first = P.chunk(g, "chatcmpl-1", 0, text="h", role=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "h"} and first["usage"] is None
     last = P.chunk(g, "chatcmpl-1", 0, text=None, usage_obj=P.usage(o), no_choice=True)

@@ -92,6 +92,7 @@ PERF_OUTPUTS = (
     ("total_draft_tokens", np.int32),
     ("mean_acceptance_length", np.float32),
     ("num_rounds", np.int32),
+    ("total_overturned_draft_tokens", np.int32),
     ("arrival_time_ns", np.int64),
     ("first_scheduled_time_ns", np.int64),
     ("first_token_time_ns", np.int64),
@@ -103,6 +104,9 @@ METRICS = (
      "Tokens produced per DFlash round (accepted drafts + 1 bonus token)", "block"),
     ("m_drafted", "dflash_draft_tokens_total", "COUNTER", "Draft tokens proposed", None),
     ("m_accepted", "dflash_accepted_draft_tokens_total", "COUNTER", "Draft tokens accepted", None),
+    ("m_overturned", "dflash_overturned_draft_tokens_total", "COUNTER",
+     "Draft tokens the DFlash 2 candidate selector picked over the drafter's argmax (0 with v1 drafters); "
+     "the overturn rate is this over dflash_draft_tokens_total", None),
     ("m_output", "dflash_output_tokens_total", "COUNTER", "Tokens generated (all requests)", None),
     ("m_rounds", "dflash_rounds_total", "COUNTER", "DFlash rounds (per request)", None),
     ("m_active", "dflash_requests_active", "GAUGE",
@@ -124,6 +128,12 @@ METRICS = (
      [0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0]),
     ("m_drafter", "dflash_drafter_enabled", "GAUGE",
      "1 when the model serves with a DFlash drafter (speculative_config), 0 without", None),
+    # DDTree (speculative_config.tree_budget; embedded engine only)
+    ("m_tree_budget", "dflash_tree_budget", "GAUGE",
+     "DDTree nodes per request verified by the latest round (0 = linear DFlash); "
+     "with tree_budget auto, the engine's choice for the batch", None),
+    ("m_tree_accept", "dflash_tree_acceptance_length", "HISTOGRAM",
+     "Tokens produced per DDTree round (accepted path + 1 bonus token; rounds that verified a tree)", "block"),
 )  # fmt: skip
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -133,6 +143,60 @@ POLL_S = 0.25  # engine counters and liveness
 HEARTBEAT_S = 1.0
 DEAD_MARKER = "engine-dead"
 REPORT_DEAD_WITHIN_S = 2.0  # error responses go out before the marker asks for a restart
+
+
+class _MetricBatch:
+    """Counter increments and histogram observations made on the response path, applied to Triton's
+    metrics from a thread of their own. Each update of a Python-backend metric is a round trip to the
+    server process; made per streamed response (five of them) they slowed every response and, through
+    the GIL, the engine thread. Applied every POLL_S, at once when a request ends (`flush_soon`), and
+    at finalize; gauges are set directly by the engine poll."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Any, bool, float]] = []  # (metric, is_histogram, value)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="dflash-metrics", daemon=True)
+        self._thread.start()
+
+    def increment(self, metric: Any, value: float) -> None:
+        with self._lock:
+            self._pending.append((metric, False, value))
+
+    def observe(self, metric: Any, value: float) -> None:
+        with self._lock:
+            self._pending.append((metric, True, value))
+
+    def flush_soon(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception as exc:  # metrics must never take the model down
+                pb_utils.Logger.log_warn(f"metrics update failed: {exc}")
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        counters: dict[int, tuple[Any, float]] = {}
+        for metric, histogram, value in batch:
+            if histogram:
+                metric.observe(value)
+            else:  # one increment per counter and flush
+                counters[id(metric)] = (metric, counters.get(id(metric), (metric, 0.0))[1] + value)
+        for metric, total in counters.values():
+            metric.increment(total)
 
 
 class _TritonLogHandler(logging.Handler):
@@ -337,6 +401,7 @@ class TritonPythonModel:
     m_accept: Any
     m_drafted: Any
     m_accepted: Any
+    m_overturned: Any
     m_output: Any
     m_rounds: Any
     m_active: Any
@@ -346,6 +411,8 @@ class TritonPythonModel:
     m_ttft: Any
     m_itl: Any
     m_drafter: Any
+    m_tree_budget: Any
+    m_tree_accept: Any
 
     @staticmethod
     def auto_complete_config(auto_complete_model_config: Any) -> Any:
@@ -420,6 +487,7 @@ class TritonPythonModel:
                 buckets = [float(b) for b in range(1, max(2, self.block_size) + 1)]
             setattr(self, attr, family.Metric(labels=labels, **({"buckets": buckets} if buckets else {})))
         self.m_drafter.set(1.0 if self.block_size > 1 else 0.0)
+        self.metrics = _MetricBatch()
 
     async def _poll_engine(self) -> None:
         """Every POLL_S: the engine's counters into the metrics, then its liveness into the heartbeat
@@ -446,7 +514,9 @@ class TritonPythonModel:
         if cap:
             self.m_kv.set(1.0 - float(stats.get("kv_free_tokens", cap)) / cap)
         for seconds in self.llm.drain_round_times():
-            self.m_round.observe(seconds)
+            self.metrics.observe(self.m_round, seconds)
+        if "tree_budget" in stats:
+            self.m_tree_budget.set(float(stats["tree_budget"]))
 
     def _heartbeat(self) -> None:
         """Touch $DFLASH_TRT_CONTROL_DIR/heartbeat (at most once a second) while the engine serves: a
@@ -633,10 +703,10 @@ class TritonPythonModel:
         self, request: Any, sender: Any, handle: RequestStream, parsed: ParsedRequest, started: float
     ) -> None:
         """Relay the request's outputs until its final response (or its error)."""
-        watcher = asyncio.ensure_future(self._watch_cancel(request, handle))
+        cancelled: set[int] = set()  # holds id(handle) once the watcher saw the client cancel
+        watcher = asyncio.ensure_future(self._watch_cancel(request, handle, cancelled))
         seen = (0, 0)  # rounds and tokens already counted in the metrics
         last_token_at = None  # monotonic time of the latest new token (latency metrics)
-        cancelled = False
         try:
             async for output in handle:
                 comp = output.outputs[0]
@@ -646,14 +716,13 @@ class TritonPythonModel:
                 last_token_at = self._observe_latency(started, last_token_at, seen[1] - tokens_before)
                 if output.finished:
                     watcher.cancel()
-                    self._send_final(sender, handle, output, parsed, cancelled=cancelled, tokens=seen[1])
+                    self._send_final(
+                        sender, handle, output, parsed, cancelled=bool(cancelled), tokens=seen[1]
+                    )
                     return
-                # Never ask about cancellation after the final response: the response factory is
-                # gone by then (Triton 2.51 crashes in TRITONBACKEND_ResponseFactoryIsCancelled).
-                if request.is_cancelled():
-                    cancelled = True
-                    handle.abort()
-                elif parsed.streaming:
+                # Cancellation is the watcher's to see (every check_period): asking per response is
+                # a round trip to the server each time.
+                if parsed.streaming:
                     sender.send(self._response(output, parsed), flags=0)
             raise RuntimeError("the engine ended the request without a final output")  # never a silent end
         except Exception as exc:  # the engine stopped (died, or was shut down) or failed the request
@@ -794,12 +863,15 @@ class TritonPythonModel:
         for h in handles:
             h.abort()
 
-    async def _watch_cancel(self, request: Any, handle: RequestStream) -> None:
-        """A client that disconnects (or cancels its gRPC stream) frees its engine slot, even while
-        the engine has nothing to send. Cancelled (by `_stream`) before the final response."""
+    async def _watch_cancel(self, request: Any, handle: RequestStream, cancelled: set[int]) -> None:
+        """The one place a client's cancellation is seen: a client that disconnects (or cancels its
+        gRPC stream) frees its engine slot within check_period, streaming or not, and the request
+        ends with CANCELLED. Cancelled (by `_stream`) before the final response: the response factory
+        is gone after it (Triton 2.51 crashes in TRITONBACKEND_ResponseFactoryIsCancelled)."""
         while True:
             await asyncio.sleep(self.check_period)
             if request.is_cancelled():
+                cancelled.add(id(handle))
                 handle.abort()
                 return
 
@@ -812,18 +884,25 @@ class TritonPythonModel:
         spec = perf.speculative_decoding if perf is not None else None
         # acceptance_lengths: a dflash-trt extension, absent from TensorRT-LLM's metrics
         lengths = list(getattr(spec, "acceptance_lengths", None) or [])
-        for length in lengths[seen_rounds:]:
-            self.m_accept.observe(float(length))
+        budgets = list(getattr(spec, "tree_budgets", None) or [])  # DDTree: each round's budget
+        for i, length in enumerate(lengths[seen_rounds:], start=seen_rounds):
+            self.metrics.observe(self.m_accept, float(length))
+            if i < len(budgets) and budgets[i] > 0:
+                self.metrics.observe(self.m_tree_accept, float(length))
         if len(lengths) > seen_rounds:
-            self.m_rounds.increment(float(len(lengths) - seen_rounds))
+            self.metrics.increment(self.m_rounds, float(len(lengths) - seen_rounds))
             seen_rounds = len(lengths)
         tokens = len(comp.token_ids or []) - skip  # skip: prompt tokens echoed in token_ids
         if tokens > seen_tokens:
-            self.m_output.increment(float(tokens - seen_tokens))
+            self.metrics.increment(self.m_output, float(tokens - seen_tokens))
             seen_tokens = tokens
         if final and spec is not None:
-            self.m_drafted.increment(float(spec.total_draft_tokens or 0))
-            self.m_accepted.increment(float(spec.total_accepted_draft_tokens or 0))
+            self.metrics.increment(self.m_drafted, float(spec.total_draft_tokens or 0))
+            self.metrics.increment(self.m_accepted, float(spec.total_accepted_draft_tokens or 0))
+            overturned = float(getattr(spec, "total_overturned_draft_tokens", 0) or 0)
+            self.metrics.increment(self.m_overturned, overturned)
+        if final:
+            self.metrics.flush_soon()
         return seen_rounds, seen_tokens
 
     def _observe_latency(self, started: float, last: float | None, new_tokens: int) -> float | None:
@@ -832,9 +911,9 @@ class TritonPythonModel:
             return last
         now = time.monotonic()
         if last is None:
-            self.m_ttft.observe(now - started)
+            self.metrics.observe(self.m_ttft, now - started)
         else:
-            self.m_itl.observe((now - last) / new_tokens)
+            self.metrics.observe(self.m_itl, (now - last) / new_tokens)
         return now
 
     def _response(self, output: OutputView, parsed: ParsedRequest) -> Any:
@@ -870,6 +949,7 @@ class TritonPythonModel:
             # dflash-trt extensions, absent from TensorRT-LLM's metrics
             "mean_acceptance_length": getattr(spec, "mean_acceptance_length", 0.0) or 0.0,
             "num_rounds": getattr(spec, "num_rounds", 0) or 0,
+            "total_overturned_draft_tokens": getattr(spec, "total_overturned_draft_tokens", 0) or 0,
             "arrival_time_ns": _td_ns(timing.arrival_time),
             "first_scheduled_time_ns": _td_ns(timing.first_scheduled_time),
             "first_token_time_ns": _td_ns(timing.first_token_time),
@@ -886,6 +966,8 @@ class TritonPythonModel:
         try:
             self.llm.shutdown()
         finally:
+            with contextlib.suppress(Exception):
+                self.metrics.close()
             with contextlib.suppress(Exception):  # the background pollers end quietly
                 asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)

@@ -8,7 +8,7 @@ to it tie that bundle to this build spec (an upgrade with other args waits for t
 {{/* Fingerprint of what the Job builds: args, output and image. It names the Job (Jobs are immutable). */}}
 {{- define "dflash-trt.buildFingerprint" -}}
 {{- $b := .Values.buildJob -}}
-{{- dict "args" $b.args "out" $b.outputSubPath "image" (include "dflash-trt.buildImage" .) | toJson | sha256sum | trunc 10 -}}
+{{- dict "args" $b.args "out" $b.outputSubPath "image" (include "dflash-trt.buildImage" .) "precompile" $b.precompile | toJson | sha256sum | trunc 10 -}}
 {{- end -}}
 
 {{- define "dflash-trt.buildJobName" -}}

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bfloat16 on CPU: weights prepacked for oneDNN (layers/linear.py) and the GEMM form of attention for
+short query blocks (layers/attention.py) compute what the plain kernels compute, release the dense
+copies they replace, and keep the engine lossless in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from dflash_trt import LLM, SamplingParams
+from dflash_trt.layers.attention import attend
+from dflash_trt.layers.linear import Linear, can_pack, pack_linears
+from dflash_trt.models.decoder import NativeTarget
+from dflash_trt.models.target_config import parse_target_config
+from tests.conftest import make_target
+
+
+def native_bf16(*, tie: bool) -> NativeTarget:
+    hf = make_target("qwen3", seed=5, vocab=61)
+    cfg = hf.config.to_dict()
+    cfg["tie_word_embeddings"] = tie
+    model = NativeTarget(parse_target_config(cfg))
+    state = {k: v for k, v in hf.state_dict().items() if tie is False or k != "lm_head.weight"}
+    model.load_state_dict(state, strict=False)
+    if tie:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(torch.bfloat16).eval()
+    model.fuse_projections()
+    return model
+
+
+def layer_outputs(model: NativeTarget, x: torch.Tensor) -> list[torch.Tensor]:
+    outs = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        outs += [*attn.qkv(x), attn.o_proj(x), *mlp.gate_up(x)]
+        outs.append(mlp.down_proj(torch.randn(*x.shape[:-1], mlp.down_proj.in_features, dtype=x.dtype,
+                                              generator=torch.Generator().manual_seed(1))))  # fmt: skip
+    return [*outs, model.lm_head(x)]
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie) -> None:
+    model = native_bf16(tie=tie)
+    x = torch.randn(3, 5, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = layer_outputs(model, x)
+        n_linear = sum(isinstance(m, Linear) for m in model.modules())
+        packed = pack_linears(model)
+        got = layer_outputs(model, x)
+    # per layer: qkv, o, gate_up and down; plus the LM head
+    assert packed == 4 * model.config.num_hidden_layers + 1 and n_linear > packed
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)  # the same oneDNN kernels, without the per-call reorder
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.numel() == 0 and attn.qkv.weight.numel() == 0  # dense copies released
+    assert attn.q_proj.weight.dtype == torch.bfloat16  # metadata kept for dtype/device readers
+    embed = model.model.embed_tokens.weight
+    assert embed.numel() > 0  # the embedding is never released, tied or not
+    assert (model.lm_head.weight.numel() > 0) is tie  # a tied head keeps its (shared) dense copy
+    with pytest.raises(RuntimeError):  # a stray use of a released weight fails loudly
+        F.linear(x, attn.q_proj.weight)
+    assert pack_linears(model) == 0  # idempotent
+
+
+def test_only_bf16_cpu_weights_are_packed() -> None:
+    assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert not can_pack(torch.zeros(4, 4))  # float32 keeps MKL's GEMMs
+    assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16, device="meta"))
+
+
+@pytest.mark.parametrize("t", [1, 7, 16])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_gemm_attention_equals_float32_sdpa(t, sinks) -> None:
+    g = torch.Generator().manual_seed(t)
+    bs, h, hkv, lk, d = 3, 8, 2, 40, 32
+    q, k, v = (torch.randn(*s, generator=g) for s in ((bs, h, t, d), (bs, hkv, lk, d), (bs, hkv, lk, d)))
+    keys = torch.arange(lk)
+    lens = torch.tensor([lk, 25, 9])
+    mask = (keys[None, None, None, :] < lens[:, None, None, None]) & (
+        keys[None, None, None, :] <= (lens[:, None, None, None] - t + torch.arange(t)[None, None, :, None])
+    )  # [bs, 1, T, L]: causal tail of each sequence
+    mask[2, :, 0] = False  # a row that sees nothing (padding): finite output, no NaN
+    sink = torch.randn(h, generator=g) if sinks else None
+    want = attend(q, k, v, mask, scale=d**-0.5, sinks=sink)  # float32: torch's SDPA
+    got = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scale=d**-0.5, sinks=sink)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    ok = mask.any(-1).expand(bs, h, t)  # rows with at least one visible key
+    assert torch.allclose(got.float()[ok], want[ok], atol=3e-2, rtol=3e-2)
+
+
+def test_bf16_engine_is_lossless_and_runs_packed() -> None:
+    """tiny in bfloat16: greedy DFlash output equals plain greedy output of the same bf16 target,
+    batched and alone, with every linear prepacked."""
+    from dflash_trt.tiny import heldout_prompts
+
+    tiny = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"}
+    prompts = heldout_prompts()[:4]
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    with LLM("tiny", dtype="bfloat16", compile=False) as plain:
+        assert plain.engine.packed_weights == 4 * 12 + 1  # tiny: 12 layers, tied head
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    with LLM("tiny", dtype="bfloat16", compile=False, speculative_config=tiny, max_batch_size=4) as llm:
+        assert llm.engine.packed_weights > 4 * 12 + 1  # the drafter's too
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        alone = llm.generate(prompts[1], sp).outputs[0].token_ids
+        stats = llm.generate(
+            prompts[0], SamplingParams(max_tokens=48, ignore_eos=True, return_perf_metrics=True)
+        )
+    assert got == want and alone == want[1]
+    spec = stats.outputs[0].request_perf_metrics.speculative_decoding
+    assert spec.total_accepted_draft_tokens > 0  # the drafter really drafted (through the packed head)
