@@ -181,6 +181,8 @@ def test_precompile_fills_the_cache_that_serve_reads(small_pair, tmp_path, monke
 
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
     monkeypatch.delenv(compile_mod.CACHE_ENV, raising=False)
+    # an in-process engine of an earlier test pointed inductor here; a user's setting would win over ours
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "1")  # the command itself turns background compiling off
     tdir, ddir = small_pair
     bundle = tmp_path / "bundle"
@@ -198,7 +200,7 @@ def test_precompile_fills_the_cache_that_serve_reads(small_pair, tmp_path, monke
     assert cold.returncode == 0, cold.stdout + cold.stderr
     assert "4 compiled, 0 already cached" in cold.stdout
     saved = list((bundle / compile_mod.BUNDLE_CACHE_DIR).rglob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
-    assert len(saved) == 4, saved
+    assert len(saved) == 4, (saved, cold.stdout)
     warm = precompile_cmd(bundle)
     assert warm.returncode == 0 and "0 compiled, 4 already cached" in warm.stdout, warm.stdout + warm.stderr
 

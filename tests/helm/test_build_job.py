@@ -286,3 +286,43 @@ def test_rule_schema_catches_a_bad_rule() -> None:
     text = "\n---\n".join(json.dumps(d) for d in [rule])
     problems = deploy.validate_manifests(text)
     assert problems and "PrometheusRule" in problems[0] and "for" in problems[0], problems
+
+
+def test_precompile_in_the_job_is_opt_in_torch_only_and_never_fails_the_build(tmp_path: Path) -> None:
+    """buildJob.precompile runs `dflash-trt precompile` after a torch build (its own Job name, so an
+    existing release's Job is untouched until it is turned on); a failed precompile leaves a served
+    bundle (the servers then compile in the background)."""
+    values = deploy.merge_values(
+        load_value_set(BUILD),
+        {"backend": "torch", "image": {"repository": "ghcr.io/dflash-trt/dflash-trt", "tag": "0.1.0-cpu"},
+         "bundle": {"mountPath": str(tmp_path / "volume")},
+         "buildJob": {"args": ["--target", "tiny"], "precompile": True}},
+    )  # fmt: skip
+    job = _one(_render(values), "Job")
+    off = _one(_render(deploy.merge_values(values, {"buildJob": {"precompile": False}})), "Job")
+    trt = _one(_render(deploy.merge_values(values, {"backend": "trtllm"})), "Job")
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    assert 'dflash-trt precompile --bundle "$out"' in script
+    for other in (off, trt):
+        assert "dflash-trt precompile" not in other["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    assert job["metadata"]["name"] != off["metadata"]["name"]
+
+    # the real build, then a precompile that fails (here: a CLI whose precompile exits 3)
+    (tmp_path / "volume").mkdir()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "precompile-calls"
+    fake = bindir / "dflash-trt"
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = precompile ]; then echo "$@" >> {calls}; exit 3; fi\n'
+        f'exec {sys.executable} -m dflash_trt "$@"\n'
+    )
+    fake.chmod(0o755)
+    build = job["spec"]["template"]["spec"]["containers"][0]
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    cmd = [*build["command"], *build.get("args", [])]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls.read_text().split() == ["precompile", "--bundle", str(tmp_path / "volume" / "bundle")]
+    assert "precompile failed (status 3)" in done.stderr
+    assert len(list((tmp_path / "volume").glob(".dflash-trt-build-*.done"))) == 1

@@ -8,7 +8,9 @@ to it tie that bundle to this build spec (an upgrade with other args waits for t
 {{/* Fingerprint of what the Job builds: args, output and image. It names the Job (Jobs are immutable). */}}
 {{- define "dflash-trt.buildFingerprint" -}}
 {{- $b := .Values.buildJob -}}
-{{- dict "args" $b.args "out" $b.outputSubPath "image" (include "dflash-trt.buildImage" .) "precompile" $b.precompile | toJson | sha256sum | trunc 10 -}}
+{{- $spec := dict "args" $b.args "out" $b.outputSubPath "image" (include "dflash-trt.buildImage" .) -}}
+{{- if $b.precompile }}{{- $_ := set $spec "precompile" true -}}{{- end -}}
+{{- $spec | toJson | sha256sum | trunc 10 -}}
 {{- end -}}
 
 {{- define "dflash-trt.buildJobName" -}}
