@@ -45,7 +45,7 @@ def precompile(bundle: Path, no_draft: bool, cache_dir: Path | None) -> None:
       dflash-trt build --target tiny --output /tmp/tiny && dflash-trt precompile --bundle /tmp/tiny
     """
     from dflash_trt.bundle import bundle_path, load_manifest
-    from dflash_trt.engine.compile import BACKGROUND_ENV, BUNDLE_CACHE_DIR, CACHE_ENV
+    from dflash_trt.engine.compile import BACKGROUND_ENV, bundle_cache_root
     from dflash_trt.errors import UsageError
 
     manifest = load_manifest(bundle)
@@ -55,7 +55,7 @@ def precompile(bundle: Path, no_draft: bool, cache_dir: Path | None) -> None:
             "(backend 'torch') compiles rounds",
             hint="TensorRT-LLM bundles need no precompile step",
         )
-    root = cache_dir or _default_cache_root(bundle, CACHE_ENV, BUNDLE_CACHE_DIR)
+    root = cache_dir or bundle_cache_root(bundle)
     os.environ[BACKGROUND_ENV] = "0"  # compile here, before the engine reports ready
     cfg = model_args(bundle_path(bundle, manifest, "model_repository"), bundle, manifest, no_draft=no_draft)
     if root is not None:
@@ -63,13 +63,6 @@ def precompile(bundle: Path, no_draft: bool, cache_dir: Path | None) -> None:
     click.echo(f"precompile: {manifest['name']}{' (no drafter)' if no_draft else ''}: compiling or loading "
                "every warm-up round; minutes the first time on a small CPU", err=True)  # fmt: skip
     sys.exit(_run(cfg))
-
-
-def _default_cache_root(bundle: Path, env: str, name: str) -> Path | None:
-    """The cache root `serve` gives the engine (cli/serve.py: `_compile_cache_env`)."""
-    if os.environ.get(env):
-        return Path(os.environ[env])
-    return bundle / name if os.access(bundle, os.W_OK) else None
 
 
 def model_args(repo: Path, bundle: Path, manifest: dict[str, Any], *, no_draft: bool) -> dict[str, Any]:

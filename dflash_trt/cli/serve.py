@@ -160,7 +160,7 @@ def _triton_server(
     """tritonserver (not started) on the bundle's repository, or on a copy with --no-draft/--compile/
     --eager. The embedded engine's compile cache goes into the bundle when it is writable."""
     from dflash_trt.bundle import bundle_path
-    from dflash_trt.engine.compile import BUNDLE_CACHE_DIR, CACHE_ENV
+    from dflash_trt.engine.compile import CACHE_ENV, bundle_cache_root
     from dflash_trt.triton.server import TritonServer
 
     repo = bundle_path(bundle, manifest, "model_repository")
@@ -176,7 +176,7 @@ def _triton_server(
         log_verbose=log_verbose,
         extra_env={
             "DFLASH_TRT_BUNDLE_ROOT": str(bundle.resolve()),
-            **_compile_cache_env(bundle, CACHE_ENV, BUNDLE_CACHE_DIR),
+            **_compile_cache_env(bundle_cache_root(bundle), CACHE_ENV),
         },
         forward_logs=not quiet,
         exit_timeout=EXIT_TIMEOUT_S,
@@ -186,12 +186,12 @@ def _triton_server(
     )
 
 
-def _compile_cache_env(bundle: Path, env: str, name: str) -> dict[str, str]:
-    """Point the compile cache at <bundle>/<name> (kept across restarts, shared by every server of the
-    bundle) unless $<env> is set or the bundle is read-only (then the engine's default applies)."""
-    if os.environ.get(env) or not os.access(bundle, os.W_OK):
+def _compile_cache_env(root: Path | None, env: str) -> dict[str, str]:
+    """The server's environment for the compile cache root (engine/compile.py `bundle_cache_root`):
+    nothing when it comes from $<env> already (inherited) or is the engine's default."""
+    if root is None or os.environ.get(env):
         return {}
-    return {env: str((bundle / name).resolve())}
+    return {env: str(root.resolve())}
 
 
 @contextlib.contextmanager

@@ -113,6 +113,15 @@ BACKGROUND_ENV = "DFLASH_TRT_COMPILE_BACKGROUND"  # "0": compile before ready in
 ARTIFACT_SUFFIX = ".aot"
 
 
+def bundle_cache_root(bundle: str | os.PathLike[str]) -> Path | None:
+    """The compile cache root of a bundle's servers (`serve`) and of `precompile`: $DFLASH_TRT_COMPILE_CACHE
+    when set, else <bundle>/compile-cache when the bundle is writable (shared by every server of the
+    bundle), else None (the engine's default under ~/.cache)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(bundle) / BUNDLE_CACHE_DIR if os.access(bundle, os.W_OK) else None
+
+
 def round_fingerprint(facts: dict[str, Any]) -> str:
     """A key for everything a compiled round depends on: `facts` (the runner's sizes, dtypes and model
     configurations) and the source of the dflash_trt packages the round runs."""

@@ -77,7 +77,7 @@ def _parent(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def test_compile_flag_sets_the_llm_argument_and_needs_the_embedded_engine(tiny_bundle, tmp_path):
+def test_compile_flag_sets_the_llm_argument_and_needs_the_embedded_engine(tiny_bundle, tmp_path, monkeypatch):
     import json
     import shutil
 
@@ -102,9 +102,15 @@ def test_compile_flag_sets_the_llm_argument_and_needs_the_embedded_engine(tiny_b
     assert text.startswith("# --eager copy") and yaml.safe_load(text)["compile"] is False
     # no flag: the bundle's own repository (the engine compiles where it can), its cache in the bundle
     from dflash_trt.cli.serve import _compile_cache_env
+    from dflash_trt.engine.compile import CACHE_ENV, bundle_cache_root
 
-    env = _compile_cache_env(tiny_bundle, "DFLASH_TRT_TEST_CACHE_UNSET", "compile-cache")
-    assert env == {"DFLASH_TRT_TEST_CACHE_UNSET": str((tiny_bundle / "compile-cache").resolve())}
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    root = bundle_cache_root(tiny_bundle)
+    assert root == tiny_bundle / "compile-cache"
+    assert _compile_cache_env(root, CACHE_ENV) == {CACHE_ENV: str(root.resolve())}
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "shared-cache"))  # set by the user: the server inherits it
+    assert bundle_cache_root(tiny_bundle) == tmp_path / "shared-cache"
+    assert _compile_cache_env(bundle_cache_root(tiny_bundle), CACHE_ENV) == {}
 
     other = tmp_path / "trtllm-bundle"
     shutil.copytree(tiny_bundle, other)

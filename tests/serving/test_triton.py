@@ -286,7 +286,8 @@ def test_burst_beyond_max_batch_size_queues(tmp_path):
                 time.sleep(0.05)
 
         def worker(i):
-            r = http_generate(srv, {"text_input": f"burst {i}", "sampling_param_max_tokens": 150,
+            # long enough (seconds each) that the queue outlives several of the gauges' 0.25 s polls
+            r = http_generate(srv, {"text_input": f"burst {i}", "sampling_param_max_tokens": 600,
                                     "sampling_param_ignore_eos": True}, timeout=300)  # fmt: skip
             results.append(r.status_code)
 
