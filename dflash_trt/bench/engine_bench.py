@@ -253,15 +253,11 @@ def _engine(
     """An LLM sized for the largest batch, with per-phase round times when its rounds are eager. Its
     compiled rounds are loaded or compiled before it returns (not in the background while it decodes
     eagerly, the serving default): the benchmark measures the compiled steady state."""
-    import os
-
     from dflash_trt.api.llm import LLM
-    from dflash_trt.engine.compile import BACKGROUND_ENV
+    from dflash_trt.engine.compile import foreground_compile
 
     max_b = max(batch_sizes)
-    before = os.environ.get(BACKGROUND_ENV)
-    os.environ[BACKGROUND_ENV] = "0"
-    try:
+    with foreground_compile():
         return LLM(
             str(models.target_dir),
             speculative_config=spec,
@@ -271,11 +267,6 @@ def _engine(
             profile=kwargs.get("compile") is False,
             **kwargs,
         )
-    finally:
-        if before is None:
-            os.environ.pop(BACKGROUND_ENV, None)
-        else:
-            os.environ[BACKGROUND_ENV] = before
 
 
 def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point:

@@ -12,7 +12,6 @@ this process and reports what it did.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ def precompile(bundle: Path, no_draft: bool, cache_dir: Path | None) -> None:
       dflash-trt build --target tiny --output /tmp/tiny && dflash-trt precompile --bundle /tmp/tiny
     """
     from dflash_trt.bundle import bundle_path, load_manifest
-    from dflash_trt.engine.compile import BACKGROUND_ENV, bundle_cache_root
+    from dflash_trt.engine.compile import bundle_cache_root
     from dflash_trt.errors import UsageError
 
     manifest = load_manifest(bundle)
@@ -56,7 +55,6 @@ def precompile(bundle: Path, no_draft: bool, cache_dir: Path | None) -> None:
             hint="TensorRT-LLM bundles need no precompile step",
         )
     root = cache_dir or bundle_cache_root(bundle)
-    os.environ[BACKGROUND_ENV] = "0"  # compile here, before the engine reports ready
     cfg = model_args(bundle_path(bundle, manifest, "model_repository"), bundle, manifest, no_draft=no_draft)
     if root is not None:
         cfg["compile_cache"] = str(root.resolve())
@@ -94,9 +92,10 @@ def model_args(repo: Path, bundle: Path, manifest: dict[str, Any], *, no_draft: 
 
 def _run(cfg: dict[str, Any]) -> int:
     from dflash_trt import LLM
+    from dflash_trt.engine.compile import foreground_compile
 
     t0 = time.perf_counter()
-    with LLM(**cfg) as llm:
+    with foreground_compile(), LLM(**cfg) as llm:
         rounds = llm.engine.runner.rounds
         if rounds is None:
             click.echo("error: compiling the rounds failed (see the warning above); servers of this bundle "

@@ -36,7 +36,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +111,22 @@ ROUNDS_DIR = "rounds"
 REFRESH_S = 1.0  # how often a serving engine looks for rounds compiled by another process
 BACKGROUND_ENV = "DFLASH_TRT_COMPILE_BACKGROUND"  # "0": compile before ready instead (engine/precompile.py)
 ARTIFACT_SUFFIX = ".aot"
+
+
+@contextlib.contextmanager
+def foreground_compile() -> Iterator[None]:
+    """Engines built inside compile (or load) their rounds before they are ready instead of serving
+    eagerly while a background process compiles: `precompile` and the benchmarks, which measure the
+    compiled steady state."""
+    before = os.environ.get(BACKGROUND_ENV)
+    os.environ[BACKGROUND_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(BACKGROUND_ENV, None)
+        else:
+            os.environ[BACKGROUND_ENV] = before
 
 
 def bundle_cache_root(bundle: str | os.PathLike[str]) -> Path | None:

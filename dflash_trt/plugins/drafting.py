@@ -27,6 +27,7 @@ import torch
 
 from dflash_trt.plugins import load_ops
 from dflash_trt.spec import accept as verify
+from dflash_trt.spec.selector import dense_candidate_probs
 
 if TYPE_CHECKING:
     from dflash_trt.layers.kv_cache import PagedKVCache
@@ -210,8 +211,7 @@ def rejection_accept_candidates(
     """verify.rejection_accept_candidates on dflash::rejection_accept: q over the candidates [N, g, K]
     scattered into the vocabulary (zero elsewhere), which is the same rule (spec/selector.py
     `Proposal.dense_probs`)."""
-    dense = cand_probs.new_zeros(*cand_probs.shape[:2], target_probs.shape[-1])  # [N, g, V]
-    dense.scatter_(-1, candidates, cand_probs)
+    dense = dense_candidate_probs(candidates, cand_probs, target_probs.shape[-1])  # [N, g, V]
     return rejection_accept(draft_tokens, dense, target_probs, u_accept, u_emit, valid)
 
 

@@ -152,9 +152,16 @@ class Proposal:
     def dense_probs(self, vocab_size: int) -> torch.Tensor:
         """q over the vocabulary [N, g, V] (zero off the candidates): the v1 rejection rule with this
         q equals `rejection_accept_candidates` (for the dflash::rejection_accept op)."""
-        n, g, _ = self.candidates.shape
-        out = self.cand_probs.new_zeros(n, g, vocab_size)
-        return out.scatter_(-1, self.candidates, self.cand_probs)
+        return dense_candidate_probs(self.candidates, self.cand_probs, vocab_size)
+
+
+def dense_candidate_probs(
+    candidates: torch.Tensor, cand_probs: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """q given over each slot's candidates ([N, g, K] ids and probabilities) scattered into the
+    vocabulary: [N, g, V], zero off the candidates."""
+    out = cand_probs.new_zeros(*cand_probs.shape[:2], vocab_size)
+    return out.scatter_(-1, candidates, cand_probs)
 
 
 def propose(

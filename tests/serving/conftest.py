@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -162,3 +163,35 @@ def stub_processes():
         return out
 
     return list_stubs
+
+
+def grpc_stream_request(url: str, prompt: str, max_tokens: int, *, request_id: str = "r1") -> list:
+    """One streamed greedy request through tritonclient's gRPC stream, with perf metrics: the responses
+    that carry text (the last one is final). Fails on any stream error."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    results: list = []
+    done = threading.Event()
+
+    def callback(result, error):
+        results.append((result, error))
+        if error is not None or result.get_response().parameters.get("triton_final_response").bool_param:
+            done.set()
+
+    def tensor(name, value, dtype, kind):
+        t = grpcclient.InferInput(name, [1], kind)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=callback)
+    inputs = [tensor("text_input", prompt.encode(), np.object_, "BYTES"), tensor("streaming", True, np.bool_, "BOOL"),
+              tensor("sampling_param_max_tokens", max_tokens, np.int32, "INT32"),
+              tensor("sampling_param_return_perf_metrics", True, np.bool_, "BOOL")]  # fmt: skip
+    client.async_stream_infer("tensorrt_llm", inputs, request_id=request_id, enable_empty_final_response=True)
+    assert done.wait(120)
+    client.stop_stream()
+    client.close()
+    assert all(err is None for _, err in results), results
+    return [r for r, _ in results if r.as_numpy("text_output") is not None]

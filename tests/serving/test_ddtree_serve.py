@@ -11,13 +11,11 @@ import contextlib
 import io
 import json
 import signal
-import threading
 
-import numpy as np
 import openai
 import pytest
 
-from tests.serving.conftest import build_bundle, eventually, launch_serve, metric_value
+from tests.serving.conftest import build_bundle, eventually, grpc_stream_request, launch_serve, metric_value
 
 pytestmark = pytest.mark.triton_server
 
@@ -53,46 +51,6 @@ def tree_served(tmp_path_factory):
     assert proc.returncode == 0, err
 
 
-def grpc_stream(port: int, prompt: str, max_tokens: int) -> tuple[str, int, float]:
-    """One streaming gRPC request: (final text, output tokens, mean acceptance length)."""
-    import tritonclient.grpc as grpcclient
-
-    results: list = []
-    done = threading.Event()
-
-    def callback(result, error):
-        results.append((result, error))
-        if error is not None or result.get_response().parameters.get("triton_final_response").bool_param:
-            done.set()
-
-    def tensor(name, value, dtype, kind):
-        arr = np.array([value], dtype=dtype)
-        t = grpcclient.InferInput(name, list(arr.shape), kind)
-        t.set_data_from_numpy(arr)
-        return t
-
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    client.start_stream(callback=callback)
-    inputs = [
-        tensor("text_input", prompt.encode(), np.object_, "BYTES"),
-        tensor("streaming", True, np.bool_, "BOOL"),
-        tensor("sampling_param_max_tokens", max_tokens, np.int32, "INT32"),
-        tensor("sampling_param_return_perf_metrics", True, np.bool_, "BOOL"),
-    ]
-    client.async_stream_infer("tensorrt_llm", inputs, request_id="t1", enable_empty_final_response=True)
-    assert done.wait(120)
-    client.stop_stream()
-    client.close()
-    assert all(err is None for _, err in results), results
-    data = [r for r, _ in results if r.as_numpy("text_output") is not None]
-    last = data[-1]
-    return (
-        last.as_numpy("text_output")[0].decode(),
-        int(last.as_numpy("num_output_tokens")[0]),
-        float(last.as_numpy("mean_acceptance_length")[0]),
-    )
-
-
 def test_serve_answers_grpc_and_openai_with_ddtree_text_equal_to_generate(tree_served):
     tree = generate_json("--tree-budget", str(BUDGET))
     linear = generate_json()
@@ -100,7 +58,9 @@ def test_serve_answers_grpc_and_openai_with_ddtree_text_equal_to_generate(tree_s
     assert tree["tree_budgets"] == [BUDGET] * tree["num_rounds"]
     assert tree["tree_mean_acceptance_length"] == pytest.approx(tree["mean_acceptance_length"])
 
-    text, n_out, tau = grpc_stream(tree_served["grpc"], PROMPT, MAX_TOKENS)
+    last = grpc_stream_request(f"127.0.0.1:{tree_served['grpc']}", PROMPT, MAX_TOKENS)[-1]
+    text = last.as_numpy("text_output")[0].decode()
+    n_out, tau = int(last.as_numpy("num_output_tokens")[0]), float(last.as_numpy("mean_acceptance_length")[0])
     assert text == tree["text"] and n_out == len(tree["output_ids"])
     assert tau == pytest.approx(tree["mean_acceptance_length"], rel=1e-5)
 

@@ -14,14 +14,12 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 
-from tests.serving.conftest import build_bundle, eventually, http_generate, launch_serve
+from tests.serving.conftest import build_bundle, eventually, grpc_stream_request, http_generate, launch_serve
 
 pytestmark = pytest.mark.triton_server
 
@@ -75,41 +73,11 @@ def metric(srv: _Server, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))  # fmt: skip
 
 
-def grpc_stream(srv: _Server, prompt: str, max_tokens: int) -> list:
-    """One streamed request through tritonclient's gRPC stream, with perf metrics: its responses."""
-    import tritonclient.grpc as grpcclient
-
-    results: list = []
-    done = threading.Event()
-
-    def callback(result, error):
-        results.append((result, error))
-        if error is not None or result.get_response().parameters.get("triton_final_response").bool_param:
-            done.set()
-
-    def tensor(name, value, dtype, kind):
-        t = grpcclient.InferInput(name, [1], kind)
-        t.set_data_from_numpy(np.array([value], dtype=dtype))
-        return t
-
-    client = grpcclient.InferenceServerClient(srv.grpc_url)
-    client.start_stream(callback=callback)
-    inputs = [tensor("text_input", prompt.encode(), np.object_, "BYTES"), tensor("streaming", True, np.bool_, "BOOL"),
-              tensor("sampling_param_max_tokens", max_tokens, np.int32, "INT32"),
-              tensor("sampling_param_return_perf_metrics", True, np.bool_, "BOOL")]  # fmt: skip
-    client.async_stream_infer("tensorrt_llm", inputs, request_id="d2", enable_empty_final_response=True)
-    assert done.wait(120)
-    client.stop_stream()
-    client.close()
-    assert all(err is None for _, err in results), results
-    return [r for r, _ in results if r.as_numpy("text_output") is not None]
-
-
 def test_grpc_http_and_openai_answer_what_generate_does(served2, reference) -> None:
     """Greedy text over gRPC (streamed), HTTP and OpenAI completions equals `generate --json`; so do the
     rounds and the overturned drafts the server reports, and the Prometheus counter adds them up."""
     before = metric(served2, "dflash_overturned_draft_tokens_total")
-    data = grpc_stream(served2, PROMPT, MAX_TOKENS)
+    data = grpc_stream_request(served2.grpc_url, PROMPT, MAX_TOKENS)
     final = data[-1]
     assert final.as_numpy("text_output")[0].decode() == reference["text"]
     assert final.as_numpy("num_rounds")[0] == reference["num_rounds"]
