@@ -4,8 +4,9 @@
 # It installs the carried wheels (.gpu-wheels/, made here by bench/gpu_wheels.sh) with --no-index,
 # then runs, each part bounded in time and within one overall budget (GPU_CHECK_BUDGET s, 570):
 #   env        nvidia-smi and the versions of everything the check imports
-#   tests      the CUDA tests: pytest -m gpu tests/plugins/test_gpu.py tests/engine/test_llm.py
-#              (the dflash:: kernels vs their references; CUDA-graph rounds equal eager rounds)
+#   tests      the CUDA tests (pytest -m gpu): the dflash:: kernels vs their references (block attention,
+#              context K/V, acceptance, tree attention, DFlash 2 conv and selector walk); CUDA-graph
+#              rounds equal eager rounds (linear DFlash, DDTree budgets, the tiny DFlash 2 drafter)
 #   kernels    bench/plugin_kernels.py: each kernel vs the copy-bandwidth floor, engine rounds
 #   p1         bench/p1_qwen3_8b.py: Qwen3-8B shapes, random bf16 weights made on the GPU: the plain
 #              step vs the weight-streaming floor, the DFlash round at batch 16 vs the plain step
@@ -110,8 +111,9 @@ PY
 fi
 
 if has tests; then
-  step tests 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA \
-    tests/plugins/test_gpu.py tests/engine/test_llm.py
+  step tests 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA \
+    tests/plugins/test_gpu.py tests/plugins/test_tree_attention.py tests/plugins/test_dflash2_gpu.py \
+    tests/engine/test_llm.py tests/engine/test_cuda_rounds.py
   tail -n 6 "$LOG" | grep -E "passed|failed|error" | tail -n 1 | sed 's/^/tests: /' | tee -a "$SUMMARY"
 fi
 if has kernels; then
