@@ -530,13 +530,22 @@ def _check_wedge_timeout(value: float | None) -> None:
 
 
 def _compile_wanted(requested: bool | None, device: Any, cache_root: str | None) -> tuple[bool, str | None]:
-    """(compile?, the compile cache directory). compile=None (the default) compiles where
-    torch.compile can run, unless $DFLASH_TRT_COMPILE=0; compile=True where it cannot warns and
-    serves eagerly. Points inductor's caches at the directory."""
-    from dflash_trt.engine.compile import COMPILE_ENV, unsupported_reason, use_cache_root
+    """(compile?, the compile cache directory). compile=None (the default) compiles on the CPU where
+    torch.compile can run, unless $DFLASH_TRT_COMPILE=0 (a GPU runs CUDA graphs instead:
+    engine/compile.py `off_by_default_reason`); compile=True where it cannot warns and serves
+    eagerly. Points inductor's caches at the directory."""
+    from dflash_trt.engine.compile import (
+        COMPILE_ENV,
+        off_by_default_reason,
+        unsupported_reason,
+        use_cache_root,
+    )
 
     if requested is None:
         requested = os.environ.get(COMPILE_ENV, "1") != "0"
+        if requested and (why := off_by_default_reason(device)) is not None:
+            log.info("compiled rounds are off: %s", why)
+            requested = False
     if not requested:
         return False, None
     reason = unsupported_reason(device)
@@ -552,13 +561,21 @@ def _start_compiled(engine: Any, request: Callable[[Any], Any]) -> Any:
     """Compiled rounds before traffic: loaded from the compile cache when every warm-up class is
     there (seconds), else compiled in a background process while the engine serves eagerly
     (engine/precompile.py; returns its Popen), or compiled here before the first request when
-    $DFLASH_TRT_COMPILE_BACKGROUND=0 or the cache has no directory."""
-    from dflash_trt.engine.compile import BACKGROUND_ENV
+    $DFLASH_TRT_COMPILE_BACKGROUND=0, the cache has no directory, torch cannot save compiled rounds
+    (engine/compile.py `saves_compiled_rounds`), or the engine runs on a GPU (a
+    second process would load the weights onto the device again and size its KV cache from what the
+    first one left free, i.e. compile for other sizes; GPU hosts compile in a minute or two)."""
+    from dflash_trt.engine.compile import BACKGROUND_ENV, saves_compiled_rounds
     from dflash_trt.engine.precompile import spawn
 
     rounds = engine.runner.rounds
     classes = engine.warm_up_classes()
-    if rounds.directory is None or rounds.on_disk(classes) or os.environ.get(BACKGROUND_ENV, "1") == "0":
+    foreground = (
+        engine.device.type != "cpu"
+        or os.environ.get(BACKGROUND_ENV, "1") == "0"
+        or not saves_compiled_rounds()  # a background process could not hand its rounds over
+    )
+    if rounds.directory is None or rounds.on_disk(classes) or foreground:
         _warm_up_compiled(engine)
         return None
     engine.runner.freeze_compiled()  # nothing compiles in this process: rounds run eagerly until loaded

@@ -71,6 +71,18 @@ def unsupported_reason(device: torch.device) -> str | None:
     return f"torch.compile is not used on {device.type}"
 
 
+def off_by_default_reason(device: torch.device) -> str | None:
+    """Why rounds are not compiled by default on `device` although they can be (None: they are).
+    On a GPU the default is eager rounds in CUDA graphs: there a compiled round is captured in the
+    graphs (1.46x faster plain steps on Qwen3-8B, bench/README.md), but the DFlash round did not
+    compile on CUDA with torch 2.11 (inductor's reinplace pass refuses a scatter into a slice of
+    data-dependent size) and a cold compile takes minutes per shape class there; `compile=True`
+    (`serve --compile`) asks for it, and falls back to eager graphs if it fails."""
+    if device.type == "cuda":
+        return "on a GPU rounds run eagerly in CUDA graphs unless compile=True (serve --compile) asks"
+    return None
+
+
 def machine_key(device: torch.device) -> str:
     """torch version + what the generated code depends on: the CPU's vector ISA, or the GPU model."""
     import torch
@@ -243,6 +255,10 @@ class RoundCache:
             self._fns[key] = fn
         return fn
 
+    def loaded_fn(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
+        """The class's compiled round if it is in memory now (nothing is loaded or compiled)."""
+        return self._fns.get(self.key(args, kwargs))
+
     def forget(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> None:
         """A class whose compiled round refused these arguments (its guards failed): compile it again
         on its next round, unless frozen."""
@@ -281,6 +297,14 @@ class RoundCache:
             if not single:
                 torch._dynamo.mark_dynamic(a, 0)
         torch._dynamo.mark_dynamic(args[3], 1)
+        if not saves_compiled_rounds():  # an older torch: compiled in memory, for this process only
+            with compile_rules():
+                fn = _InMemoryRound(torch.compile(self._core, fullgraph=True, dynamic=True))
+                fn(None, *args, **kwargs)  # compile now, not in the first round that serves
+            self.compiled += 1
+            log.info("compiled round %s in %.1f s (not saved: this torch has no aot_compile)", key,
+                     time.perf_counter() - t0)  # fmt: skip
+            return fn
         with compile_rules():
             compiled: Any = torch.compile(
                 self._core, fullgraph=True, dynamic=True, options={"guard_filter_fn": _guard_filter}
@@ -295,6 +319,30 @@ class RoundCache:
             os.replace(tmp, path)  # readers (other pods on the same volume) see all of it or nothing
         log.info("compiled round %s in %.1f s", path.name if path else key, time.perf_counter() - t0)
         return fn
+
+
+def saves_compiled_rounds() -> bool:
+    """Whether this torch compiles ahead of time into an artifact that can be saved and loaded
+    (`aot_compile` on a compiled function, recent torch releases). Without it rounds are compiled in
+    each process, in memory: no artifact cache, no background compiler."""
+    import torch
+
+    return hasattr(torch.compile(_identity), "aot_compile")
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _InMemoryRound:
+    """A round compiled just in time (torch without aot_compile), called like a loaded artifact:
+    `fn(runner, *args, **kwargs)`; the runner is already bound in the compiled method."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self._compiled = compiled
+
+    def __call__(self, _runner: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
 
 
 def _guard_filter(entries: Any) -> list[bool]:

@@ -273,8 +273,10 @@ class ModelRunner:
             self.rounds.frozen = True
 
     def disable_compile(self) -> None:
-        """Back to eager rounds (after a failed compilation)."""
+        """Back to eager rounds (after a failed compilation); CUDA graphs are captured again from them."""
         self.rounds = None
+        self._graphs.clear()
+        self._graph_failed = False
 
     # ------------------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -387,8 +389,8 @@ class ModelRunner:
             try:
                 stacked = self._replay(inputs, tables, bs, width, shape)
             except Exception as exc:  # pragma: no cover - GPU only
-                if not self.cuda_graphs:
-                    raise
+                if not self.cuda_graphs or (self.rounds is not None and not self.rounds.frozen):
+                    raise  # or a compilation failed: the warm-up's caller turns compiling off instead
                 log.warning("CUDA graph capture failed (%s); falling back to eager rounds", exc)
                 self._graph_failed = True
                 self._graphs.clear()
@@ -757,8 +759,10 @@ class ModelRunner:
         w_pad = 1 << max(0, (width - 1).bit_length())
         w_pad = min(w_pad, self.num_pages - 1)
         key = (bs_pad, w_pad, shape)
+        if self.rounds is not None:
+            self.rounds.refresh()  # compiled rounds of a background process, when they are ready
         graph = self._graphs.get(key)
-        if graph is None:
+        if graph is None or graph.stale():
             graph = _StaticRound(self, bs_pad, w_pad, shape, capture=self.cuda_graphs)
             self._graphs[key] = graph
         return graph.run(inputs, tables, bs)
@@ -820,7 +824,13 @@ def _unstack(rows: list[list[int]], g: int, budget: int) -> RoundOutput:
 class _StaticRound:
     """Static input buffers for one (padded batch, pages, round shape), and the copy-in / run /
     copy-out protocol. With `capture` (CUDA) the round is recorded once as a CUDA graph and
-    replayed; without it the same buffers are run eagerly (CPU tests of the padding)."""
+    replayed; without it the same buffers are run eagerly (CPU tests of the padding).
+
+    With compiled rounds on, what is run (and captured) is the shape class's compiled round: inductor
+    fuses the round's elementwise work into a few kernels and the graph removes their launches. The
+    warm-up run before the capture loads or compiles it; a class that had no compiled round then
+    (frozen, or compiled later by a background process) is captured eagerly and captured again
+    once its compiled round is loaded (`stale`)."""
 
     def __init__(self, runner: ModelRunner, bs: int, width: int, shape: RoundShape, *, capture: bool):
         dev = runner.device
@@ -841,18 +851,48 @@ class _StaticRound:
             "greedy_draft": torch.ones(bs, dtype=torch.bool, device=dev),
         }
         self._fill_padding()
+        self.compiled_fn: Any = None  # the compiled round this graph runs (None: the eager round)
         if capture:  # pragma: no cover - GPU only
             stream = torch.cuda.Stream(device=dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):  # warm up (allocations, autotuning) outside the graph
-                runner._round_core(**self._args(), **shape.kwargs())
+            with torch.cuda.stream(stream):  # compile, allocate and autotune outside the graph
+                self._warm_call()
             torch.cuda.current_stream(dev).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.out = runner._round_core(**self._args(), **shape.kwargs())
+                self.out = self._call()
 
-    def _args(self) -> dict[str, Any]:
-        return dict(self.buf)
+    def _args(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.buf.values())  # `_round_core`'s positional order
+
+    def _warm_call(self) -> torch.Tensor:
+        """Run the round once through the runner's compiled path (load or compile its class; eager
+        where there is none) and remember which compiled round that was."""
+        runner, kwargs = self.runner, self.shape.kwargs()
+        if runner.rounds is None:
+            return runner._round_core(*self._args(), **kwargs)
+        out = runner._compiled_round(runner.rounds, self._args(), kwargs)
+        self.compiled_fn = runner.rounds.loaded_fn(self._args(), kwargs)
+        return out
+
+    def _call(self) -> torch.Tensor:
+        """The round as `_warm_call` found it: no loading, compiling or guard retries (inside a capture)."""
+        if self.compiled_fn is None:
+            return self.runner._round_core(*self._args(), **self.shape.kwargs())
+        from dflash_trt.engine.compile import shape_rules
+
+        with shape_rules():
+            return self.compiled_fn(self.runner, *self._args(), **self.shape.kwargs())
+
+    def stale(self) -> bool:
+        """Captured eagerly, but its class now has a compiled round (loaded after the capture)."""
+        rounds = self.runner.rounds
+        return (
+            self.capture
+            and self.compiled_fn is None
+            and rounds is not None
+            and rounds.loaded_fn(self._args(), self.shape.kwargs()) is not None
+        )
 
     def _fill_padding(self) -> None:
         self.buf["starts"].fill_(1)
@@ -873,5 +913,5 @@ class _StaticRound:
             self.graph.replay()
             out = self.out
         else:
-            out = self.runner._round_core(**self._args(), **self.shape.kwargs())
+            out = self._warm_call()
         return out[:bs]

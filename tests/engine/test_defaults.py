@@ -74,6 +74,9 @@ def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tm
     monkeypatch.setattr(compile_mod, "unsupported_reason", lambda device: None)
     cache = tmp_path / compile_mod.machine_key(CPU)
     assert _compile_wanted(None, CPU, str(tmp_path)) == (True, str(cache))  # the default where it can run
+    with caplog.at_level(logging.INFO):
+        assert _compile_wanted(None, CUDA, str(tmp_path)) == (False, None)  # a GPU: CUDA graphs, eager rounds
+    assert "on a GPU rounds run eagerly in CUDA graphs" in caplog.text
     assert cache.is_dir() and str(cache) == __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]
     monkeypatch.setattr(compile_mod, "unsupported_reason", lambda device: "no C++ compiler on PATH")
     with caplog.at_level(logging.WARNING):
@@ -121,3 +124,34 @@ def test_fused_linear_equals_the_separate_linears_and_shares_their_weights(bias)
     torch.testing.assert_close(torch.cat(tail(x), -1), torch.cat([m(x) for m in linears[1:]], -1))
     with pytest.raises(ValueError, match="either every linear has a bias or none"):
         FusedLinear.of([nn.Linear(4, 2, bias=True), nn.Linear(4, 2, bias=False)])
+
+
+@pytest.mark.parametrize(
+    ("device", "saves", "background"),
+    [("cpu", True, True), ("cpu", False, False), ("cuda", True, False)],
+    ids=["cpu", "cpu-torch-without-aot", "gpu"],
+)
+def test_where_a_cold_cache_is_compiled(monkeypatch, tmp_path, device, saves, background) -> None:
+    """A cold compile cache: a background process on the CPU when torch can save compiled rounds for it
+    to hand over; in the foreground (before ready) on a GPU (a second process would load the weights
+    onto the device again) and with a torch that cannot save them (nothing to hand over)."""
+    from types import SimpleNamespace
+
+    from dflash_trt.api import llm as llm_mod
+    from dflash_trt.engine import precompile
+
+    events: list[str] = []
+    rounds = SimpleNamespace(
+        directory=tmp_path, on_disk=lambda classes: False, expect=lambda c: events.append("expect")
+    )
+    runner = SimpleNamespace(rounds=rounds, freeze_compiled=lambda: events.append("freeze"))
+    engine = SimpleNamespace(
+        device=torch.device(device), runner=runner, warm_up_classes=lambda: [("k", True)]
+    )
+    monkeypatch.delenv(compile_mod.BACKGROUND_ENV, raising=False)
+    monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: saves)
+    monkeypatch.setattr(precompile, "spawn", lambda request, directory: events.append("spawn") or "child")
+    monkeypatch.setattr(llm_mod, "_warm_up_compiled", lambda e: events.append("foreground"))
+    child = llm_mod._start_compiled(engine, lambda e: "request")
+    assert events == (["freeze", "expect", "spawn"] if background else ["foreground"])
+    assert child == ("child" if background else None)

@@ -185,7 +185,8 @@ def test_random_dflash2_engine_equals_reference_round_by_round(
 def test_compiled_dflash2_round_equals_reference(random_pairs):
     """A torch.compile'd round (inductor, the CPU default) with the selector's greedy and sampled walk and
     the acceptance over candidates: one compilation (a greedy and a sampled request, batched); every
-    request equals the reference round by round."""
+    request equals the reference round by round. The rounds run from padded static buffers, the path
+    a CUDA graph captures: it must run the compiled round too."""
     from torch._dynamo.utils import counters
 
     from dflash_trt.engine.compile import use_cache_root
@@ -197,6 +198,7 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
         config=EngineConfig(max_batch_size=2, max_seq_len=64), device=torch.device("cpu"), dtype=torch.float32,
     )  # fmt: skip
     engine.runner.enable_compile()
+    engine.runner.static_rounds, engine.runner.graph_batch_sizes = True, (1, 2)
     graphs = counters["stats"]["unique_graphs"]
     jobs = [([3, 1, 4, 1, 5], SamplingParams(max_tokens=24, ignore_eos=True)),
             ([2, 7, 1, 8], SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True))]  # fmt: skip
@@ -207,6 +209,8 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
         if engine.runner.times.rounds == 1:  # the first round compiled; other shape classes run eagerly
             engine.runner.freeze_compiled()
     assert counters["stats"]["unique_graphs"] > graphs, "no round was compiled"
+    static = list(engine.runner._graphs.values())
+    assert any(s.compiled_fn is not None for s in static), "the static rounds ran eagerly"
     drafter = load_drafter(ddir, dtype=torch.float32)
     for (prompt, sp), req in zip(jobs, reqs):
         ref = reference(model, drafter, prompt, sp, BLOCK)
