@@ -91,9 +91,16 @@ def model_args(repo: Path, bundle: Path, manifest: dict[str, Any], *, no_draft: 
 
 
 def _run(cfg: dict[str, Any]) -> int:
-    from dflash_trt import LLM
-    from dflash_trt.engine.compile import foreground_compile
+    import torch
 
+    from dflash_trt import LLM
+    from dflash_trt.engine.compile import foreground_compile, saves_compiled_rounds
+
+    if not saves_compiled_rounds():
+        click.echo(f"error: torch {torch.__version__} cannot save compiled rounds (no aot_compile): each server "
+                   "compiles its own at start; nothing to precompile (use a newer torch to cache them)",
+                   err=True)  # fmt: skip
+        return 1
     t0 = time.perf_counter()
     with foreground_compile(), LLM(**cfg) as llm:
         rounds = llm.engine.runner.rounds

@@ -206,3 +206,7 @@ def test_precompile_fills_the_cache_that_serve_reads(small_pair, tmp_path, monke
 
     missing = precompile_cmd(tmp_path / "nowhere")
     assert missing.returncode == 2 and missing.stderr.startswith("error: --bundle="), missing.stderr
+
+    monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: False)  # a torch without aot_compile
+    old_torch = CliRunner().invoke(cli, ["precompile", "--bundle", str(bundle)])
+    assert old_torch.exit_code == 1 and "cannot save compiled rounds" in old_torch.output, old_torch.output
