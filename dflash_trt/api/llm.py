@@ -564,7 +564,7 @@ def _start_compiled(engine: Any, request: Callable[[Any], Any]) -> Any:
     $DFLASH_TRT_COMPILE_BACKGROUND=0, the cache has no directory, torch cannot save compiled rounds
     (engine/compile.py `saves_compiled_rounds`), or the engine runs on a GPU (a
     second process would load the weights onto the device again and size its KV cache from what the
-    first one left free, i.e. compile for other sizes; GPU hosts compile in a minute or two)."""
+    first one left free, i.e. compile for other sizes; measured ~80-90 s per class on an H200 host)."""
     from dflash_trt.engine.compile import BACKGROUND_ENV, saves_compiled_rounds
     from dflash_trt.engine.precompile import spawn
 
