@@ -439,13 +439,17 @@ def test_ddtree_with_a_dflash2_drafter_is_refused_by_name():
     assert v1.output_ids == spec_generate(adapter, None, [1, 2, 3], max_new_tokens=4).output_ids
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
+# The sampling modes the chi-square tests cover (here for the loop, in tests/engine for the engine).
+SAMPLING_CASES = pytest.mark.parametrize(
     "sampling",
     [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=3, greedy_draft=True),
      SamplingConfig(temperature=1.3, top_p=0.85)],
     ids=["sampled-draft", "greedy-draft-topk", "sampled-draft-topp"],
 )  # fmt: skip
+
+
+@pytest.mark.slow
+@SAMPLING_CASES
 def test_dflash2_sampling_preserves_target_distribution(sampling):
     """The full loop (prefill token + one round of 2 drafts from the selector) with many seeds: the
     joint distribution of the 3 generated tokens is the target's."""

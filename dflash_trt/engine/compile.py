@@ -30,6 +30,7 @@ $DFLASH_TRT_COMPILE_CACHE, or `~/.cache/dflash-trt/compile` for the library.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -321,6 +322,7 @@ class RoundCache:
         return fn
 
 
+@functools.cache
 def saves_compiled_rounds() -> bool:
     """Whether this torch compiles ahead of time into an artifact that can be saved and loaded
     (`aot_compile` on a compiled function, recent torch releases). Without it rounds are compiled in

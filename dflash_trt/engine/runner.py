@@ -759,7 +759,9 @@ class ModelRunner:
         w_pad = 1 << max(0, (width - 1).bit_length())
         w_pad = min(w_pad, self.num_pages - 1)
         key = (bs_pad, w_pad, shape)
-        if self.rounds is not None:
+        if (
+            self.cuda_graphs and self.rounds is not None
+        ):  # uncaptured static rounds refresh in _compiled_round
             self.rounds.refresh()  # compiled rounds of a background process, when they are ready
         graph = self._graphs.get(key)
         if graph is None or graph.stale():

@@ -22,6 +22,7 @@ from dflash_trt.reference.hf_target import HFTarget
 from dflash_trt.spec.decoding_config import DFlashDecodingConfig
 from dflash_trt.spec.sampling import SamplingConfig
 from tests.conftest import make_drafter, make_target
+from tests.test_dflash2 import SAMPLING_CASES
 from tests.test_sampling import chi_square_p, exact_joint
 
 BLOCK = 6
@@ -269,12 +270,7 @@ def chi_pair(tmp_path_factory):
     return root / "target", root / "drafter", target
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=3, greedy_draft=True),
-     SamplingConfig(temperature=1.3, top_p=0.85)],
-    ids=["sampled-draft", "greedy-draft-topk", "sampled-draft-topp"],
-)  # fmt: skip
+@SAMPLING_CASES
 def test_engine_dflash2_sampling_preserves_target_distribution(chi_pair, sampling):
     """1,500 seeds of one prompt through the batched engine (prefill token + one round of 2 selector
     drafts, 64 requests a round, static padded rounds): the joint distribution of the 3 generated tokens

@@ -8,7 +8,9 @@ TRITON_INTERPRET=1 before the first import (see test_interpreter.py).
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "swa_noncausal": {"variant": "swa", "is_causal": False},
     "gpt_oss": {"variant": "gpt_oss"},
 }
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """The dflash:: ops' CPU calls go to the Triton launchers (under TRITON_INTERPRET=1) inside."""
+    from dflash_trt.plugins import _registry
+
+    _registry.set_triton_on_cpu(True)
+    try:
+        yield
+    finally:
+        _registry.set_triton_on_cpu(False)
 
 
 @pytest.fixture(scope="session")

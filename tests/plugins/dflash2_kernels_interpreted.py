@@ -25,6 +25,7 @@ from dflash_trt.plugins.drafting import DrafterPlugins
 from dflash_trt.plugins.drafting import selector_walk as walk_op
 from dflash_trt.spec.selector import propose
 from tests.conftest import make_drafter, make_target
+from tests.plugins.conftest import triton_on_cpu
 from tests.plugins.test_ops import _paged_context
 
 pytestmark = pytest.mark.triton_interpret
@@ -214,11 +215,8 @@ def test_engine_dflash2_round_on_the_kernels(monkeypatch, tmp_path):
     want, _ = run_engine(pair, jobs, use_plugins=False, rounds=want_rounds)
     assert not launched
     got_rounds: dict[int, list] = {}
-    _registry.set_triton_on_cpu(True)
-    try:
+    with triton_on_cpu():
         got, (_, outs) = run_engine(pair, jobs, use_plugins=True, static_rounds=True, rounds=got_rounds)
-    finally:
-        _registry.set_triton_on_cpu(False)
     assert launched == {"launch_inject_context", "launch_block_attention", "launch_dynamic_conv",
                         "launch_selector_walk", "launch_greedy_accept", "launch_rejection_accept"}  # fmt: skip
     assert got_rounds == want_rounds and got == want

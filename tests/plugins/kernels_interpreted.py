@@ -22,9 +22,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - collected by
 import torch
 import triton  # noqa: F401  (a dev dependency; imported here, after the variable is set)
 
-from dflash_trt.plugins import _registry, accept, block_attention, context_kv, load_ops
+from dflash_trt.plugins import accept, block_attention, context_kv, load_ops
 from tests.plugins import cases
-from tests.plugins.conftest import greedy_jobs, reference_greedy, run_engine
+from tests.plugins.conftest import greedy_jobs, reference_greedy, run_engine, triton_on_cpu
 
 pytestmark = pytest.mark.triton_interpret
 load_ops()
@@ -157,12 +157,9 @@ def test_ops_run_the_kernels_on_cpu_under_the_switch(monkeypatch):
     torch.ops.dflash.block_attention(*args)
     torch.ops.dflash.greedy_accept(*greedy)
     assert calls == []  # switch off: references
-    _registry.set_triton_on_cpu(True)
-    try:
+    with triton_on_cpu():
         _check_attention(args, torch.ops.dflash.block_attention(*args))
         torch.ops.dflash.greedy_accept(*greedy)
-    finally:
-        _registry.set_triton_on_cpu(False)
     assert calls == ["launch_block_attention", "launch_greedy_accept"]
 
 
@@ -195,11 +192,8 @@ def test_engine_greedy_is_lossless_on_the_kernels(plugin_pair, variant, static_r
     want, _ = run_engine(pair, jobs, use_plugins=False, rounds=want_rounds)
     assert not launched
     got_rounds: dict[int, list] = {}
-    _registry.set_triton_on_cpu(True)
-    try:
+    with triton_on_cpu():
         got, _ = run_engine(pair, jobs, use_plugins=True, static_rounds=static_rounds, rounds=got_rounds)
-    finally:
-        _registry.set_triton_on_cpu(False)
     assert launched == {"launch_inject_context", "launch_block_attention", "launch_greedy_accept"}
     assert got_rounds == want_rounds
     assert got == want

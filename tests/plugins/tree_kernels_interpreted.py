@@ -21,8 +21,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - collected by
 import torch
 import triton  # noqa: F401  (a dev dependency; imported here, after the variable is set)
 
-from dflash_trt.plugins import _registry, load_ops, tree_attention
+from dflash_trt.plugins import load_ops, tree_attention
 from tests.plugins import tree_cases
+from tests.plugins.conftest import triton_on_cpu
 
 pytestmark = pytest.mark.triton_interpret
 load_ops()
@@ -61,10 +62,7 @@ def test_the_op_runs_the_kernel_on_cpu_under_the_switch(monkeypatch):
         return launch(*a, **kw)
 
     monkeypatch.setattr(tree_attention, "launch_tree_attention", spy)
-    _registry.set_triton_on_cpu(True)
-    try:
+    with triton_on_cpu():
         got = torch.ops.dflash.tree_attention(*args)
-    finally:
-        _registry.set_triton_on_cpu(False)
     assert calls == [1]
     torch.testing.assert_close(got, tree_attention.tree_attention_reference(*args), atol=1e-5, rtol=1e-5)

@@ -165,7 +165,9 @@ def stub_processes():
     return list_stubs
 
 
-def grpc_stream_request(url: str, prompt: str, max_tokens: int, *, request_id: str = "r1") -> list:
+def grpc_stream_request(
+    url: str, prompt: str, max_tokens: int, *, request_id: str = "r1", ignore_eos: bool = False
+) -> list:
     """One streamed greedy request through tritonclient's gRPC stream, with perf metrics: the responses
     that carry text (the last one is final). Fails on any stream error."""
     import numpy as np
@@ -189,6 +191,8 @@ def grpc_stream_request(url: str, prompt: str, max_tokens: int, *, request_id: s
     inputs = [tensor("text_input", prompt.encode(), np.object_, "BYTES"), tensor("streaming", True, np.bool_, "BOOL"),
               tensor("sampling_param_max_tokens", max_tokens, np.int32, "INT32"),
               tensor("sampling_param_return_perf_metrics", True, np.bool_, "BOOL")]  # fmt: skip
+    if ignore_eos:
+        inputs.append(tensor("sampling_param_ignore_eos", True, np.bool_, "BOOL"))
     client.async_stream_infer("tensorrt_llm", inputs, request_id=request_id, enable_empty_final_response=True)
     assert done.wait(120)
     client.stop_stream()

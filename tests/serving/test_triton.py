@@ -14,7 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from tests.serving.conftest import build_bundle, eventually, http_generate, metric_value, start_server
+from tests.serving.conftest import (
+    build_bundle,
+    eventually,
+    grpc_stream_request,
+    http_generate,
+    metric_value,
+    start_server,
+)
 
 pytestmark = pytest.mark.triton_server
 
@@ -66,39 +73,7 @@ def test_http_stream_accumulated_by_default_and_delta_on_request(server):
 
 
 def test_grpc_streaming_with_tritonclient(server):
-    import tritonclient.grpc as grpcclient
-
-    results: list = []
-    done = threading.Event()
-
-    def callback(result, error):
-        results.append((result, error))
-        if error is not None or result.get_response().parameters.get("triton_final_response").bool_param:
-            done.set()
-
-    def tensor(name, value, dtype):
-        arr = np.array([value], dtype=dtype)
-        t = grpcclient.InferInput(
-            name, list(arr.shape), {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL"}[dtype]
-        )
-        t.set_data_from_numpy(arr)
-        return t
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=callback)
-    inputs = [
-        tensor("text_input", PROMPT.encode(), np.object_),
-        tensor("streaming", True, np.bool_),
-        tensor("sampling_param_max_tokens", 16, np.int32),
-        tensor("sampling_param_ignore_eos", True, np.bool_),
-        tensor("sampling_param_return_perf_metrics", True, np.bool_),
-    ]
-    client.async_stream_infer("tensorrt_llm", inputs, request_id="g1", enable_empty_final_response=True)
-    assert done.wait(60)
-    client.stop_stream()
-    client.close()
-    assert all(err is None for _, err in results)
-    data = [r for r, _ in results if r.as_numpy("text_output") is not None]
+    data = grpc_stream_request(server.grpc_url, PROMPT, 16, request_id="g1", ignore_eos=True)
     texts = [r.as_numpy("text_output")[0].decode() for r in data]
     assert texts[-1] == http_generate(server, {"text_input": PROMPT, "sampling_param_max_tokens": 16,
                                                "sampling_param_ignore_eos": True}).json()["text_output"]  # fmt: skip
