@@ -65,6 +65,7 @@ class Point:
     peak_memory_mb: float
     request_rounds: int = 0  # rounds summed over requests (tau's denominator)
     tree_budgets: dict[str, int] | None = None  # DDTree modes: request-rounds per budget (0 = linear)
+    draft_lens: dict[str, int] | None = None  # linear DFlash: engine rounds per draft length (0 = plain)
     draft_tokens: int = 0  # drafts proposed (the overturn rate's denominator)
     overturned_draft_tokens: int = 0  # DFlash 2: drafts whose selector pick is not the drafter's argmax
 
@@ -93,6 +94,7 @@ def run_engine_benchmark(
     device: str = "auto",
     dtype: str = "auto",
     tree_budget: int | str | list[int | str] = 0,
+    draft_len: list[int | str] | None = None,
     enforce_eager: bool = False,
     compile: bool | None = None,
     repeats: int = 1,
@@ -101,8 +103,10 @@ def run_engine_benchmark(
     progress: Any = None,
 ) -> dict[str, Any]:
     """Each mode (ar: the target alone; dflash: with the drafter, once per tree budget: 0 = linear,
-    N = DDTree of N nodes, "auto" = the engine's choice) at each batch size: one greedy generate() of
-    `max_tokens` per request, timed, with the round's phase times; `repeats` passes interleaved."""
+    N = DDTree of N nodes, "auto" = the engine's choice; linear DFlash once per `draft_len`: "auto" =
+    the engine's choice by cost, the default, or g = g drafts per round at every batch size) at each
+    batch size: one greedy generate() of `max_tokens` per request, timed, with the round's phase
+    times; `repeats` passes interleaved."""
     from dflash_trt.models.sources import resolve_models
     from dflash_trt.spec.decoding_config import parse_tree_budget
 
@@ -121,13 +125,21 @@ def run_engine_benchmark(
         "enforce_eager": enforce_eager,
         "repeats": repeats,
     }
-    variants: list[tuple[str, int | str | None]] = [("ar", None)] if "ar" in modes else []
+    lens = [_draft_len(g) for g in (draft_len or ["auto"])]  # before any model loads
+    variants: list[tuple[str, int | str | None, int | str]] = [("ar", None, "auto")] if "ar" in modes else []
     if "dflash" in modes:
-        variants += [(_mode_name(tree), tree) for tree in trees]
+        for budget in trees:
+            variants += [(_mode_name(budget, g), budget, g) for g in (lens if budget == 0 else ["auto"])]
+    if lens != ["auto"]:
+        config["draft_len"] = lens
     llms: dict[str, Any] = {}
     try:
-        for mode, tree in variants:
-            spec = _speculative_config(models, block_size, tree) if tree is not None else None
+        for mode, tree, g in variants:
+            spec = (
+                _speculative_config(models, block_size, tree, g, max(batch_sizes))
+                if tree is not None
+                else None
+            )
             if spec is not None:
                 config["block_size"] = block_size_for(spec["max_draft_len"])
                 config["tree_budget"] = trees[0] if len(trees) == 1 else trees
@@ -151,8 +163,22 @@ def run_engine_benchmark(
             "vs_linear": _vs_linear(points)}  # fmt: skip
 
 
-def _mode_name(tree: int | str) -> str:
-    return "dflash" if tree == 0 else f"ddtree-{tree}"
+def _mode_name(tree: int | str, draft_len: int | str = "auto") -> str:
+    if tree != 0:
+        return f"ddtree-{tree}"
+    return "dflash" if draft_len == "auto" else f"dflash-g{draft_len}"
+
+
+def _draft_len(value: int | str) -> int | str:
+    """'auto' or a number of drafts >= 1 (a ConfigError naming the value otherwise)."""
+    from dflash_trt.errors import ConfigError
+
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError("--draft-len", value, "must be 'auto' or a number of drafts >= 1")
+    return int(text)
 
 
 def _measure_interleaved(
@@ -178,6 +204,16 @@ def _measure_interleaved(
     return points
 
 
+def _add_counts(counts: Any) -> dict[str, int] | None:
+    """Counts per key summed over runs (None when no run has any)."""
+    total: dict[str, int] | None = None
+    for c in counts:
+        for k, n in (c or {}).items():
+            total = total or {}
+            total[k] = total.get(k, 0) + n
+    return total
+
+
 def _pool(runs: list[Point]) -> Point:
     """One point from repeated measurements of the same (mode, batch): sums, then ratios."""
     if len(runs) == 1:
@@ -195,11 +231,6 @@ def _pool(runs: list[Point]) -> Point:
     def per_round(name: str) -> float:
         return sum(getattr(p, name) * p.rounds for p in runs) / max(1, rounds)
 
-    budgets: dict[str, int] | None = None
-    for p in runs:
-        for b, n in (p.tree_budgets or {}).items():
-            budgets = budgets or {}
-            budgets[b] = budgets.get(b, 0) + n
     return Point(
         mode=first.mode,
         batch_size=first.batch_size,
@@ -217,7 +248,8 @@ def _pool(runs: list[Point]) -> Point:
         overhead_ms_per_round=per_round("overhead_ms_per_round"),
         peak_memory_mb=max(p.peak_memory_mb for p in runs),
         request_rounds=request_rounds,
-        tree_budgets=budgets,
+        tree_budgets=_add_counts(p.tree_budgets for p in runs),
+        draft_lens=_add_counts(p.draft_lens for p in runs),
         draft_tokens=sum(p.draft_tokens for p in runs),
         overturned_draft_tokens=sum(p.overturned_draft_tokens for p in runs),
     )
@@ -230,8 +262,11 @@ def _architecture(models: Any) -> str:
     return load_drafter_config(models.drafter_dir).architecture
 
 
-def _speculative_config(models: Any, block_size: int | None, tree: int | str) -> dict[str, Any]:
-    """DFlash at `block_size` (default: the drafter's trained block); DDTree when tree != 0."""
+def _speculative_config(
+    models: Any, block_size: int | None, tree: int | str, draft_len: int | str = "auto", max_batch: int = 1
+) -> dict[str, Any]:
+    """DFlash at `block_size` (default: the drafter's trained block); DDTree when tree != 0; a number
+    `draft_len` pins that many drafts per round at every batch size up to `max_batch`."""
     from dflash_trt.models.checkpoint import load_drafter_config
 
     if models.drafter_dir is None:
@@ -244,6 +279,13 @@ def _speculative_config(models: Any, block_size: int | None, tree: int | str) ->
     }
     if tree != 0:
         spec["tree_budget"] = tree
+    elif draft_len != "auto":
+        if int(draft_len) > spec["max_draft_len"]:
+            from dflash_trt.errors import ConfigError
+
+            raise ConfigError("--draft-len", draft_len, f"exceeds the block's {spec['max_draft_len']} drafts")
+        spec["max_draft_len"] = int(draft_len)
+        spec["max_concurrency"] = max_batch  # every batch size drafts it
     return spec
 
 
@@ -278,6 +320,8 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, return_perf_metrics=True)
     runner = llm.engine.runner
     before = dict(vars(runner.times))
+    policy = llm.engine.draft_lens
+    lens_before = dict(policy.rounds) if policy is not None else {}
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -294,6 +338,13 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
         for b in m.speculative_decoding.tree_budgets or []:
             budgets = budgets or {}
             budgets[str(b)] = budgets.get(str(b), 0) + 1
+    lens = None
+    if policy is not None:
+        lens = {
+            str(g): n - lens_before.get(g, 0)
+            for g, n in sorted(policy.rounds.items())
+            if n > lens_before.get(g, 0)
+        }
     decode_window = (
         max(m.timing_metrics.last_token_time for m in metrics)
         - min(m.timing_metrics.first_token_time for m in metrics)
@@ -317,6 +368,7 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
         peak_memory_mb=_peak_memory_mb(llm.device.type),
         request_rounds=len(rounds_all),
         tree_budgets=budgets,
+        draft_lens=lens,
         draft_tokens=sum(m.speculative_decoding.total_draft_tokens for m in metrics),
         overturned_draft_tokens=sum(m.speculative_decoding.total_overturned_draft_tokens for m in metrics),
     )
@@ -370,7 +422,7 @@ def format_table(result: dict[str, Any]) -> str:
         "# dflash-trt engine benchmark: " + json.dumps({k: v for k, v in cfg.items() if k != "environment"}),
         "# environment: " + json.dumps(cfg["environment"]),
         f"{'mode':<12} {'batch':>5} {'out tok/s':>10} {'decode tok/s':>12} {'tau':>5} {'overturn':>8} {'rounds':>6} "
-        f"{'draft ms':>8} {'verify ms':>9} {'accept ms':>9} {'other ms':>8} {'peak MB':>8}  budgets",
+        f"{'draft ms':>8} {'verify ms':>9} {'accept ms':>9} {'other ms':>8} {'peak MB':>8}  budgets / draft lengths",
     ]
     for p in result["points"]:
         tau = f"{p['tau']:.2f}" if p["tau"] is not None else "-"
@@ -378,6 +430,8 @@ def format_table(result: dict[str, Any]) -> str:
         budgets = " ".join(
             f"{b}:{n}" for b, n in sorted((p.get("tree_budgets") or {}).items(), key=lambda x: int(x[0]))
         )
+        if p.get("draft_lens"):
+            budgets += " g " + " ".join(f"{g}:{n}" for g, n in p["draft_lens"].items())
         lines.append(
             f"{p['mode']:<12} {p['batch_size']:>5} {p['output_tokens_per_s']:>10.1f} {p['decode_tokens_per_s']:>12.1f} "
             f"{tau:>5} {overturn:>8} {p['rounds']:>6} {p['draft_ms_per_round']:>8.2f} {p['verify_ms_per_round']:>9.2f} "

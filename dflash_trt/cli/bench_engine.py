@@ -79,6 +79,14 @@ def _prompts(value: str) -> tuple[str, ...]:
     "auto = the budget the engine chooses by measured cost (e.g. 0,16,32,64,auto). One engine each.",
 )
 @click.option(
+    "--draft-len",
+    metavar="auto|G[,...]",
+    default="auto",
+    show_default=True,
+    help="Linear DFlash modes, comma-separated: auto = the draft length the engine chooses per batch by "
+    "measured cost (the default), G = G drafts per round at every batch size (e.g. auto,15,7,3). One engine each.",
+)
+@click.option(
     "--prompts",
     "prompt_set",
     default="builtin",
@@ -113,6 +121,7 @@ def engine(
     device: str,
     dtype: str,
     tree_budget: str,
+    draft_len: str,
     prompt_set: str,
     repeats: int,
     compile_rounds: bool | None,
@@ -132,6 +141,7 @@ def engine(
     Examples:
       dflash-trt bench engine --target tiny --batch-sizes 1,8,32 --max-tokens 128
       dflash-trt bench engine --target tiny --batch-sizes 1,16 --tree-budget 0,16,32,64,auto --repeats 3
+      dflash-trt bench engine --target tiny --batch-sizes 1,4,16 --draft-len auto,15,7,3
     """
     sizes = _ints(batch_sizes, "--batch-sizes")
     from dflash_trt.bench.engine_bench import format_table, run_engine_benchmark
@@ -154,6 +164,7 @@ def engine(
         device=device,
         dtype=dtype,
         tree_budget=[b.strip() for b in tree_budget.split(",") if b.strip()] or ["0"],
+        draft_len=[g.strip() for g in draft_len.split(",") if g.strip()] or ["auto"],
         enforce_eager=enforce_eager,
         compile=compile_rounds,
         repeats=repeats,

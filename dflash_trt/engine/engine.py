@@ -5,9 +5,10 @@ Each `step()` runs schedule → run → postprocess:
   1. applies what other threads queued since the last step (new requests, aborts);
   2. `Scheduler.schedule()` admits waiting requests and picks the prefill chunks and the round;
   3. `ModelRunner` prefills the chunks and runs one DFlash round for every running request (the
-     draft length follows the draft_len_schedule for the batch size; a DDTree budget, pinned or
-     chosen by cost for the batch size, comes from `tree_budget.BudgetPolicy`; every request
-     accepts its own number of drafts);
+     draft length follows the user's draft_len_schedule, or is chosen by measured cost for the
+     batch size (`draft_len.DraftLenPolicy`, the default); a DDTree budget, pinned or chosen by cost
+     for the batch size, comes from `tree_budget.BudgetPolicy`; every request accepts its own
+     number of drafts);
   4. postprocess commits each request's tokens under its stop rules (`postprocess.py`) and
      returns finished requests' pages and rows to the scheduler.
 
@@ -22,11 +23,12 @@ import logging
 import queue
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
+from dflash_trt.engine.draft_len import DraftLenPolicy
 from dflash_trt.engine.postprocess import StepUpdate, commit_tokens
 from dflash_trt.engine.request import Request, RequestParams
 from dflash_trt.engine.runner import ModelRunner, RoundShape, round_flags
@@ -45,6 +47,16 @@ from dflash_trt.spec.sampling import validate_sampling
 log = logging.getLogger(__name__)
 
 WARM_UP_BATCHES = (2, 1)  # batch sizes of the warm-up (a batch of one has a compiled round of its own)
+
+
+class WarmUp(NamedTuple):
+    """One throwaway batch of the warm-up: its round shape, batch size and request parameters."""
+
+    g: int  # draft length
+    budget: int  # DDTree budget
+    mode: str  # "greedy" or "sampled"
+    batch: int
+    params: RequestParams
 
 
 class LLMEngine:
@@ -78,7 +90,14 @@ class LLMEngine:
         # DDTree: the budget per round (pinned, or chosen by cost); linear DFlash without a drafter
         self.budgets = BudgetPolicy.from_config(spec.tree_budget if self.drafter is not None and spec else 0)
         self._trees = self.budgets.max_budget > 0  # rounds may verify trees: record their budgets
-        self.clock = time.perf_counter  # times rounds for the budget policy (tests inject their own)
+        # Linear DFlash: the draft length per round, from the user's schedule or chosen by cost
+        self.draft_lens: DraftLenPolicy | None = None
+        if self.drafter is not None and spec is not None and not self._trees:
+            assert spec.max_draft_len is not None
+            user = spec.draft_len_for if spec.schedule() is not None else None
+            self.draft_lens = DraftLenPolicy.for_spec(spec.max_draft_len, user)
+        self.clock = time.perf_counter  # times rounds for the cost policies (tests inject their own)
+        self._compiled_seen = 0  # compiled rounds in use at the latest round (see _round)
         # One GEMM for q/k/v and one for gate/up in both models (fewer, wider GEMMs; same weights).
         self.target.fuse_projections()
         if self.drafter is not None:
@@ -114,9 +133,11 @@ class LLMEngine:
         self._aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # from abort
         self._live: dict[int, Request] = {}  # every request added and not yet finished
         self.num_steps = 0
-        log.info("engine: %s target, drafter=%s, block=%d, tree budget %s, %d KV pages of %d tokens, device=%s %s",
-                 tcfg.model_type, drafter_dir, block, "auto" if self.budgets.auto else self.budgets.pinned,
-                 self.num_kv_pages, PAGE_SIZE, device, dtype)  # fmt: skip
+        log.info("engine: %s target, drafter=%s, block=%d, draft length %s, tree budget %s, %d KV pages of %d "
+                 "tokens, device=%s %s", tcfg.model_type, drafter_dir, block,
+                 "auto" if self.draft_lens is not None and self.draft_lens.auto else "by schedule",
+                 "auto" if self.budgets.auto else self.budgets.pinned, self.num_kv_pages, PAGE_SIZE, device,
+                 dtype)  # fmt: skip
 
     def _pack_weights(self, config: EngineConfig) -> int:
         """bf16 weights on CPU prepacked for oneDNN (layers/linear.py); not with the drafting plugin,
@@ -292,6 +313,7 @@ class LLMEngine:
             stop_strings=tuple(params.stop),
             min_tokens=params.min_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            reproducible=params.seed is not None and params.temperature > 0,
             detokenizer=detokenizer,
             owner=owner,
         )
@@ -315,33 +337,39 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._new.empty() or not self._aborts.empty()
 
-    def _warm_up_variants(self) -> list[tuple[int, str, int, RequestParams]]:
-        """(tree budget, mode, batch size, request parameters) of the warm-up's throwaway batches:
-        greedy and sampled, at batch 2 and 1 (a batch of one has a compiled round of its own), at every
-        DDTree budget the policy may choose."""
+    def _warm_up_variants(self) -> list[WarmUp]:
+        """The warm-up's throwaway batches: greedy and sampled, at batch 2 and 1 (a batch of one has a
+        compiled round of its own), at every draft length and DDTree budget the policies may choose
+        for that batch."""
         new_tokens = min(3 * PAGE_SIZE, self.config.max_seq_len - 2)
         if new_tokens < 1:
             return []
         greedy = RequestParams(max_tokens=new_tokens, ignore_eos=True)
         sampled = RequestParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, seed=0)
         return [
-            (budget, mode, bs, params)
-            for budget in (self.budgets.budgets() if self.drafter is not None else (0,))
-            for mode, params in (("greedy", greedy), ("sampled", sampled))
+            WarmUp(g, budget if g > 0 else 0, mode, bs, params)
             for bs in WARM_UP_BATCHES
             if bs <= self.config.max_batch_size
+            for g in self._draft_lens_for(bs)
+            for budget in (self.budgets.budgets() if g > 0 else (0,))
+            for mode, params in (("greedy", greedy), ("sampled", sampled))
         ]
+
+    def _draft_lens_for(self, batch_size: int) -> tuple[int, ...]:
+        """Every draft length a round of `batch_size` requests may run."""
+        if self.draft_lens is not None:
+            return self.draft_lens.draft_lens(batch_size)
+        return (self._draft_len(batch_size),)
 
     def warm_up_classes(self) -> list[tuple[Any, ...]]:
         """The compiled rounds' shape classes (engine/compile.py) that `warm_up` runs."""
         from dflash_trt.engine.compile import RoundCache
 
         classes = []
-        for budget, _mode, bs, params in self._warm_up_variants():
-            req = self._make_request([1, 1], params, owner=None)
-            g = self._draft_len(bs)
-            shape = RoundShape(g, budget if g > 0 else 0, round_flags([req] * bs))
-            key = RoundCache.class_key(shape.kwargs(), bs == 1)
+        for w in self._warm_up_variants():
+            req = self._make_request([1, 1], w.params, owner=None)
+            shape = RoundShape(w.g, w.budget, round_flags([req] * w.batch))
+            key = RoundCache.class_key(shape.kwargs(), w.batch == 1)
             if key not in classes:
                 classes.append(key)
         return classes
@@ -349,27 +377,37 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run throwaway requests to completion so that what is built on first use (the compiled
         round for batch 1 and for larger batches, across page-width growth, greedy and sampling, at
-        every DDTree budget the policy may choose) is ready before real traffic. Returns the seconds
-        it took. Engine thread, before serving."""
+        every draft length and DDTree budget the policies may choose) is ready before real traffic.
+        Returns the seconds it took. Engine thread, before serving."""
         t0 = time.perf_counter()
         variants = self._warm_up_variants()
         try:
-            for n, (budget, mode, bs, params) in enumerate(variants, 1):
+            for n, w in enumerate(variants, 1):
                 t1 = time.perf_counter()
-                self.budgets.override = budget
-                for i in range(bs):
-                    self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, params)
+                self.budgets.override = w.budget
+                if self.draft_lens is not None:
+                    self.draft_lens.override = w.g
+                for i in range(w.batch):
+                    self.add_request([1 + i % max(1, self.vocab_size - 1)] * 2, w.params)
                 while self.has_work():
                     self.step()
-                log.info("warm-up %d/%d (%s, batch %d%s): %.1f s", n, len(variants), mode, bs,
-                         f", tree budget {budget}" if self._trees else "", time.perf_counter() - t1)  # fmt: skip
+                log.info("warm-up %d/%d (%s, batch %d, draft length %d%s): %.1f s", n, len(variants), w.mode,
+                         w.batch, w.g, f", tree budget {w.budget}" if self._trees else "",
+                         time.perf_counter() - t1)  # fmt: skip
         finally:
             self.budgets.override = None
             self.budgets.reset()  # warm-up rounds compile: their costs would mislead the choice
+            if self.draft_lens is not None:
+                self.draft_lens.override = None
+                self.draft_lens.reset()
         return time.perf_counter() - t0
 
-    def _draft_len(self, batch_size: int) -> int:
-        """Drafts per sequence in a round of `batch_size` sequences (0: plain decoding)."""
+    def _draft_len(self, batch_size: int, *, reproducible: bool = False) -> int:
+        """Drafts per sequence in the next round of `batch_size` sequences (0: plain decoding). A round
+        with a seeded sampled request drafts the full block unless a schedule or the warm-up says
+        otherwise: its samples then never depend on the load (docs/llm-api.md)."""
+        if self.draft_lens is not None:
+            return self.draft_lens.choose(batch_size, keep_block=reproducible)
         return self.spec.draft_len_for(batch_size) if self.spec and self.drafter else 0
 
     # --- the step (engine thread) -----------------------------------------------------------------
@@ -395,12 +433,16 @@ class LLMEngine:
         """One round for the running requests: the draft length and tree budget for their number, the
         round (timed for the budget policy), then each request's tokens through its stop rules."""
         n = len(reqs)
-        g = self._draft_len(n)
+        self._forget_costs_on_new_compiled_rounds()
+        g = self._draft_len(n, reproducible=any(r.reproducible for r in reqs))
         budget = self.budgets.choose(n) if g > 0 else 0
         t0 = self.clock()
         out = self.runner.decode_round(reqs, g, budget)
+        seconds = self.clock() - t0
         if g > 0:
-            self.budgets.record(budget, n, self.clock() - t0, out.accepted, out.path)
+            self.budgets.record(budget, n, seconds, out.accepted, out.path)
+        if self.draft_lens is not None:
+            self.draft_lens.record(g, n, seconds, out.accepted)
         now = time.perf_counter()
         updates = []
         for i, req in enumerate(reqs):
@@ -412,6 +454,17 @@ class LLMEngine:
                 req.tree_budgets.append(budget)
             updates.append(self._postprocess(req, [*out.drafts[i][:a], out.emitted[i]], accepted=a))
         return updates
+
+    def _forget_costs_on_new_compiled_rounds(self) -> None:
+        """Round costs measured while some shape classes ran eagerly (a background compiler was still
+        at work) do not hold once their compiled rounds are in use: the cost policies start over."""
+        rounds = self.runner.rounds
+        count = 0 if rounds is None else rounds.loaded + rounds.compiled
+        if count != self._compiled_seen:
+            self._compiled_seen = count
+            self.budgets.reset()
+            if self.draft_lens is not None:
+                self.draft_lens.reset()
 
     def fail_all(self) -> list[StepUpdate]:
         """End every queued and running request with finish_reason 'error' (after an engine
@@ -485,4 +538,5 @@ class LLMEngine:
             "accept_s": t.accept_s,
             "prefill_s": t.prefill_s,
             **(self.budgets.summary() if self._trees else {}),
+            **(self.draft_lens.summary() if self.draft_lens is not None else {}),
         }

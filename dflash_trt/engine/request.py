@@ -55,6 +55,9 @@ class Request:
     min_tokens: int
     include_stop_str_in_output: bool
     detokenizer: Any | None = None
+    # sampled with the caller's seed: its tokens must not depend on what it is batched with, so its
+    # rounds draft the full block (a draft length chosen by load would change its samples)
+    reproducible: bool = False
     owner: Any = None  # opaque to the engine: whoever submitted the request (the LLM's handle)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

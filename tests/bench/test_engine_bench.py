@@ -33,3 +33,25 @@ def test_modes_prompts_and_pooled_points(cli, tmp_path):
     assert result["vs_linear"]["ddtree-8"]["1"] == ratio
     code, _, err = cli(["bench", "engine", "--prompts", str(tmp_path / "none.jsonl")])
     assert code == 2 and "is not builtin, heldout or a JSONL file" in err
+
+
+def test_draft_lengths_auto_and_pinned(cli):
+    """--draft-len: the engine's own choice (auto, the default) beside pinned draft lengths, one engine
+    each; every point says how many rounds ran each draft length."""
+    code, out, err = cli(["bench", "engine", "--batch-sizes", "1,4", "--max-tokens", "8", "--draft-len", "auto,15,3",
+                          "--eager", "--json"])  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["config"]["draft_len"] == ["auto", 15, 3]
+    points = {(p["mode"], p["batch_size"]): p for p in result["points"]}
+    assert set(points) == {(m, b) for m in ("ar", "dflash", "dflash-g15", "dflash-g3") for b in (1, 4)}
+    for bs in (1, 4):
+        assert points["dflash-g15", bs]["draft_lens"] == {"15": points["dflash-g15", bs]["rounds"]}
+        assert points["dflash-g3", bs]["draft_lens"] == {"3": points["dflash-g3", bs]["rounds"]}
+        assert points["ar", bs]["draft_lens"] is None
+    assert points["dflash", 1]["draft_lens"] == {"15": points["dflash", 1]["rounds"]}  # alone: the full block
+    auto4 = points["dflash", 4]["draft_lens"]
+    assert set(auto4) <= {"0", "3", "7", "15"} and sum(auto4.values()) == points["dflash", 4]["rounds"]
+    assert set(result["vs_linear"]) == {"dflash-g15", "dflash-g3"}  # pinned lengths against the automatic one
+    code, _, err = cli(["bench", "engine", "--draft-len", "auto,0"])
+    assert code == 2 and "--draft-len" in err and "'0'" in err

@@ -19,6 +19,9 @@ from dflash_trt.models.checkpoint import save_drafter
 from tests.conftest import make_drafter, make_target
 
 BLOCK = 5
+# The warm-up's shape classes for this pair (the default, automatic draft length): the full block at
+# batch 1 and the candidate draft lengths 4 and 0 at batch 2+, each greedy and sampled.
+CLASSES = 6
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2]]
 SP = SamplingParams(max_tokens=40, ignore_eos=True)
 
@@ -69,23 +72,23 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "0")
     with small_llm(small_pair, tmp_path) as llm:
         rounds = llm.engine.runner.rounds
-        assert (rounds.loaded, rounds.compiled) == (0, 4)  # greedy and sampled, batch 1 and 2+
+        assert (rounds.loaded, rounds.compiled) == (0, CLASSES) == (0, len(llm.engine.warm_up_classes()))
         assert llm.drain_round_times() == []  # warm-up rounds are not reported as traffic
         assert tokens(llm) == want
         alone = llm.generate(PROMPTS[1], SP).outputs[0].token_ids
         # a class the warm-up did not compile (top-k filtering) runs eagerly: serving never stalls
         filtered = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.8, top_k=5, seed=1))
         assert all(len(o.outputs[0].token_ids) == 20 for o in filtered)
-        assert rounds.compiled == 4
+        assert rounds.compiled == CLASSES
         directory = rounds.directory
     assert alone == want[1]
     saved = sorted(p.name for p in directory.glob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
-    assert len(saved) == 4, saved
+    assert len(saved) == CLASSES, saved
 
     # 2. The next start loads them (seconds, no tracing) and gives the same tokens.
     monkeypatch.delenv(compile_mod.BACKGROUND_ENV)
     with small_llm(small_pair, tmp_path) as again:
-        assert (again.engine.runner.rounds.loaded, again.engine.runner.rounds.compiled) == (4, 0)
+        assert (again.engine.runner.rounds.loaded, again.engine.runner.rounds.compiled) == (CLASSES, 0)
         assert again._precompiler is None  # nothing to compile: no child
         assert tokens(again) == want
         request = again._precompile_request(again.engine)
@@ -99,7 +102,7 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert child.returncode == 0, child.stdout + child.stderr
-    assert "0 compiled, 4 already there" in child.stdout + child.stderr
+    assert f"0 compiled, {CLASSES} already there" in child.stdout + child.stderr
 
     # 3. A cold cache with background compiling (the default): ready at once, eager rounds, then each
     #    class is loaded as soon as the (stand-in) child puts it on disk, and the tokens never change.
@@ -123,7 +126,7 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
         children[0].finish()
         assert tokens(cold) == want  # the rounds of these batches now run compiled
         greedy = [k for k in rounds._fns if dict(k[0])["flags"][0]]
-        assert rounds.loaded == 4 and greedy, rounds._fns
+        assert rounds.loaded == CLASSES and greedy, rounds._fns
         assert rounds.compiled == 0  # nothing was compiled in the serving process
 
 
@@ -198,11 +201,13 @@ def test_precompile_fills_the_cache_that_serve_reads(small_pair, tmp_path, monke
 
     cold = precompile_cmd(bundle)
     assert cold.returncode == 0, cold.stdout + cold.stderr
-    assert "4 compiled, 0 already cached" in cold.stdout
+    assert f"{CLASSES} compiled, 0 already cached" in cold.stdout
     saved = list((bundle / compile_mod.BUNDLE_CACHE_DIR).rglob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
-    assert len(saved) == 4, (saved, cold.stdout)
+    assert len(saved) == CLASSES, (saved, cold.stdout)
     warm = precompile_cmd(bundle)
-    assert warm.returncode == 0 and "0 compiled, 4 already cached" in warm.stdout, warm.stdout + warm.stderr
+    assert warm.returncode == 0 and f"0 compiled, {CLASSES} already cached" in warm.stdout, (
+        warm.stdout + warm.stderr
+    )
 
     missing = precompile_cmd(tmp_path / "nowhere")
     assert missing.returncode == 2 and missing.stderr.startswith("error: --bundle="), missing.stderr

@@ -69,7 +69,14 @@ def test_tiny_dflash2_rounds_in_cuda_graphs_equal_eager_rounds():
     sps = [SamplingParams(max_tokens=48, ignore_eos=True, return_perf_metrics=True, **kw)
            for kw in ({}, {"temperature": 0.8, "seed": 11}, {"temperature": 1.1, "top_k": 8, "seed": 12})] * 2  # fmt: skip
     jobs = list(zip(prompts, sps))
-    cfg = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": str(paths.drafter_dflash2)}
+    # the full block at every batch size: the per-round acceptance lengths compared below depend on the
+    # draft length, which "auto" would pick by wall time in each engine
+    cfg = {
+        "decoding_type": "DFlash",
+        "max_draft_len": 15,
+        "speculative_model": str(paths.drafter_dflash2),
+        "max_concurrency": 64,
+    }
     eager, graphed, facts = run_both(paths.target, cfg, jobs)
     assert facts["graphs"] > 0 and not facts["failed"] and facts["plugins"], facts
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]

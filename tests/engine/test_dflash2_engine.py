@@ -94,7 +94,9 @@ def reference(model, drafter, prompt, sp: SamplingParams, block: int):
 
 def run_llm(tdir, ddir, jobs, *, block: int, static_rounds=False, compile=False, use_plugins=False,
             max_batch_size=4, spy=None):  # fmt: skip
-    spec = {"decoding_type": "DFlash", "max_draft_len": block - 1, "speculative_model": str(ddir)}
+    # the full block at every batch size, as the reference loop drafts it (round-by-round parity)
+    spec = {"decoding_type": "DFlash", "max_draft_len": block - 1, "speculative_model": str(ddir),
+            "max_concurrency": max_batch_size}  # fmt: skip
     llm = LLM(str(tdir), speculative_config=spec, max_batch_size=max_batch_size, max_num_tokens=64,
               max_seq_len=256, dtype="float32", compile=compile, use_plugins=use_plugins)  # fmt: skip
     runner = llm.engine.runner

@@ -128,6 +128,9 @@ METRICS = (
      [0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0]),
     ("m_drafter", "dflash_drafter_enabled", "GAUGE",
      "1 when the model serves with a DFlash drafter (speculative_config), 0 without", None),
+    ("m_draft_len", "dflash_draft_len", "GAUGE",
+     "Draft tokens per request in the latest linear DFlash round (0 = plain decoding); with no "
+     "draft_len_schedule, the engine's choice by measured cost for the batch (embedded engine only)", None),
     # DDTree (speculative_config.tree_budget; embedded engine only)
     ("m_tree_budget", "dflash_tree_budget", "GAUGE",
      "DDTree nodes per request verified by the latest round (0 = linear DFlash); "
@@ -411,6 +414,7 @@ class TritonPythonModel:
     m_ttft: Any
     m_itl: Any
     m_drafter: Any
+    m_draft_len: Any
     m_tree_budget: Any
     m_tree_accept: Any
 
@@ -517,6 +521,8 @@ class TritonPythonModel:
             self.metrics.observe(self.m_round, seconds)
         if "tree_budget" in stats:
             self.m_tree_budget.set(float(stats["tree_budget"]))
+        if "draft_len" in stats:
+            self.m_draft_len.set(float(stats["draft_len"]))
 
     def _heartbeat(self) -> None:
         """Touch $DFLASH_TRT_CONTROL_DIR/heartbeat (at most once a second) while the engine serves: a

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The draft length per round: the user's schedule, or chosen by measured cost (the default)."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_trt import LLM, SamplingParams
+from dflash_trt.engine.draft_len import DraftLenPolicy, auto_draft_lens
+from dflash_trt.engine.round_policy import EXPLORE_ROUNDS
+from tests.engine.test_llm import BLOCK, pair, spec  # noqa: F401  (pair: a fixture)
+
+K = 15
+TAUS = {0: 1, 3: 3, 7: 4, 15: 5}  # tokens per request-round at each draft length
+
+
+def cost(g: int, n: int) -> float:
+    """A round: a fixed 1 s, plus 0.01 s per verified token of the batch (compute-bound at large n)."""
+    return 1.0 + 0.01 * n * (g + 1)
+
+
+def feed(policy: DraftLenPolicy, n: int, steps: int) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        g = policy.choose(n)
+        chosen.append(g)
+        policy.record(g, n, cost(g, n), [TAUS[g] - 1] * n)
+    return chosen
+
+
+def best_by_formula(n: int) -> int:
+    return max(TAUS, key=lambda g: (n * TAUS[g] / cost(g, n), -g))
+
+
+def test_candidates_and_what_pins_them():
+    assert auto_draft_lens(15) == (0, 3, 7, 15)
+    assert auto_draft_lens(7) == (0, 3, 7)
+    assert auto_draft_lens(3) == (0, 3)
+    assert auto_draft_lens(1) == (0, 1)
+    auto = DraftLenPolicy.for_spec(K)
+    assert auto.auto and auto.draft_lens(1) == (K,) and auto.draft_lens(8) == (0, 3, 7, 15)
+    assert [auto.choose(1) for _ in range(5)] == [K] * 5  # a request alone always drafts the full block
+    assert auto.tau(0) == 1.0  # plain decoding needs no measurement
+    user = DraftLenPolicy.for_spec(K, {4: 15, 16: 7}.get)
+    assert not user.auto and user.draft_lens(4) == (15,) and user.choose(16) == 7
+
+
+def test_auto_explores_then_picks_the_best_rate_per_batch_size():
+    policy = DraftLenPolicy.for_spec(K)
+    policy.explore_every = 10_000
+    # a new bucket: every candidate once unmeasured and EXPLORE_ROUNDS times measured, biggest first
+    first = feed(policy, 2, 4 * (1 + EXPLORE_ROUNDS))
+    assert first == [15, 7, 3, 0] * (1 + EXPLORE_ROUNDS)
+    assert {g: policy.tau(g) for g in TAUS} == TAUS
+    assert set(feed(policy, 2, 20)) == {best_by_formula(2)} == {15}
+    feed(policy, 64, 4 * EXPLORE_ROUNDS)  # a new bucket: its own costs
+    assert best_by_formula(64) not in (15, 0)  # the cost model has a middle optimum here
+    assert set(feed(policy, 64, 20)) == {best_by_formula(64)}
+    assert policy.summary()["draft_len"] == best_by_formula(64) and policy.summary()["draft_len_auto"]
+
+
+def test_user_schedule_rounds_are_not_measured():
+    policy = DraftLenPolicy.for_spec(K, lambda n: K if n <= 4 else 0)
+    assert feed(policy, 8, 3) == [0, 0, 0] and policy.round_seconds(0, 8) is None
+
+
+def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
+    """The engine times each round with its clock and feeds the policy: a request alone drafts the full
+    block every round; a full batch under a compute-bound clock backs off to plain decoding, the draft
+    cache still fed every round, and greedy output stays the target's own (a --no-draft engine's)."""
+    tdir, ddir, _ = pair
+    prompts = [[i % 12 + 1, 2, (3 * i) % 13] for i in range(16)]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    with LLM(str(tdir), max_batch_size=16, max_seq_len=128) as plain_llm:
+        plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp)]
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=16, max_seq_len=128) as llm:
+        engine = llm.engine
+        clock, rounds = [0.0], []
+        run = engine.runner.decode_round
+
+        def timed(reqs, g, budget=0):
+            out = run(reqs, g, budget)
+            n = len(reqs)
+            clock[0] += 1.0 + (0.0 if n == 1 else n * (g + 1) ** 2)  # verify cost grows with the block
+            rounds.append((n, g))
+            return out
+
+        engine.runner.decode_round = timed
+        engine.clock = lambda: clock[0]
+        engine.draft_lens.explore_every = 10_000
+        alone = llm.generate(prompts[:1], sp)[0].outputs[0].token_ids
+        assert {g for _, g in rounds} == {BLOCK - 1}
+        rounds.clear()
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        full = [g for n, g in rounds if n == 16]
+        candidates = auto_draft_lens(BLOCK - 1)
+        explored = len(candidates) * (1 + EXPLORE_ROUNDS)
+        assert sorted(full[:explored]) == sorted(candidates * (1 + EXPLORE_ROUNDS))
+        assert set(full[explored:]) == {0}, full
+        assert llm.get_stats()["draft_len"] == 0 and llm.get_stats()["draft_len_auto"]
+    assert alone == plain[0] and batch == plain
+
+
+def test_warm_up_runs_every_draft_length_and_leaves_no_measurement(pair):  # noqa: F811
+    """The warm-up (what compiles rounds before traffic) runs the full block at batch 1 and every
+    candidate draft length at batch 2, greedy and sampled, and forgets its rounds' costs."""
+    from dflash_trt.engine.config import EngineConfig
+    from dflash_trt.engine.engine import LLMEngine
+    from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+
+    tdir, ddir, _ = pair
+    engine = LLMEngine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig.from_any(spec(ddir)),
+                       tokenizer=None, config=EngineConfig(max_batch_size=2, max_seq_len=128),
+                       device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    seen = set()
+    run = engine.runner.decode_round
+
+    def spy(reqs, g, budget=0):
+        seen.add((len(reqs), g, reqs[0].temperature > 0))
+        return run(reqs, g, budget)
+
+    engine.runner.decode_round = spy
+    engine.warm_up()
+    k = BLOCK - 1
+    expected = {(1, k, s) for s in (False, True)} | {
+        (2, g, s) for g in auto_draft_lens(k) for s in (False, True)
+    }
+    assert seen == expected
+    policy = engine.draft_lens
+    assert policy is not None and policy.override is None and policy.tau(k) is None
+    assert policy.round_seconds(k, 2) is None and len(engine.warm_up_classes()) == len(expected)
