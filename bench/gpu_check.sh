@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one command, on a bare GPU machine with no network (bench/README.md):
-#     bash bench/gpu_check.sh [PART...]     PART: env tests kernels p1 reference (default: all, in order)
+#     bash bench/gpu_check.sh [PART...]     PART: env tests kernels p1 reference (default: these, in order)
+#                                           or compiled (not in the default: minutes of compilation)
 # It installs the carried wheels (.gpu-wheels/, made here by bench/gpu_wheels.sh) with --no-index,
 # then runs, each part bounded in time and within one overall budget (GPU_CHECK_BUDGET s, 570):
 #   env        nvidia-smi and the versions of everything the check imports
@@ -10,6 +11,8 @@
 #   kernels    bench/plugin_kernels.py: each kernel vs the copy-bandwidth floor, engine rounds
 #   p1         bench/p1_qwen3_8b.py: Qwen3-8B shapes, random bf16 weights made on the GPU: the plain
 #              step vs the weight-streaming floor, the DFlash round at batch 16 vs the plain step
+#   compiled   bench/p1_qwen3_8b.py --compiled-dflash: the same, plus the DFlash round compiled (compile=True)
+#              against the eager one (~130 s of compilation for an 8B target on torch 2.11)
 #   reference  bench/reference_speed.py --device cuda: ours vs the authors' dflash_generate on the
 #              tiny pair (float32, must be identical) and on the random qwen3-0.3b pair (bfloat16)
 # Everything is written under $OUT (the device tool's folder; default bench/runs/gpu-check), at most
@@ -36,8 +39,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(env tests kernels p1 reference)
 for p in "${parts[@]}"; do
   case "$p" in
-    env | tests | kernels | p1 | reference) ;;
-    *) echo "gpu_check.sh: unknown part '$p'; use env, tests, kernels, p1 or reference" >&2; exit 2 ;;
+    env | tests | kernels | p1 | compiled | reference) ;;
+    *) echo "gpu_check.sh: unknown part '$p'; use env, tests, kernels, p1, compiled or reference" >&2; exit 2 ;;
   esac
 done
 
@@ -122,6 +125,10 @@ fi
 if has p1; then
   step p1 200 "$PY" bench/p1_qwen3_8b.py --json "$OUT/p1_qwen3_8b.json"
   grep -E "^(weights streamed|plain step \(|DFlash round \()" "$LOG" | tail -n 4 | tee -a "$SUMMARY"
+fi
+if has compiled; then
+  step compiled 360 "$PY" bench/p1_qwen3_8b.py --compiled-dflash --json "$OUT/p1_compiled.json"
+  grep -E "^(DFlash round \(|DFlash round, compiled)" "$LOG" | tail -n 2 | tee -a "$SUMMARY"
 fi
 if has reference; then
   step reference-tiny 120 "$PY" bench/reference_speed.py --device cuda --json "$OUT/reference_speed_tiny.json"

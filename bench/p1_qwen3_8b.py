@@ -29,6 +29,7 @@ Exit status: 0 measured, 2 bad arguments, 3 --device cuda without CUDA.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -59,6 +60,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=20, help="copies timed for the bandwidth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-kwargs", default="{}", help="JSON object of extra keyword arguments for LLM")
+    p.add_argument(
+        "--compiled-dflash",
+        action="store_true",
+        help="also time the DFlash round compiled (compile=True; only the greedy batch-2+ class the timed "
+        "rounds use is compiled) against the eager one; it runs first, in a child process of its own "
+        "(an engine's GPU memory is not all given back within a process: three 8B engines do not fit on 80 GB)",
+    )
+    p.add_argument("--only-compiled-dflash", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     for name in ("batch", "prompt_len", "max_tokens", "reps"):
@@ -162,14 +171,71 @@ def _timed_rounds(llm: Any, prompts: list[list[int]], max_tokens: int, device: s
     }
 
 
-def _free(llm: Any, device: str) -> None:
+def _collect(device: str) -> None:
+    """Give back the memory of engines no longer referenced (call after dropping the last reference:
+    two Qwen3-8B engines do not fit on an 80 GB GPU at once)."""
     import torch
 
-    llm.shutdown()
-    del llm
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _greedy_batch_warm_up() -> Any:
+    """The engine's warm-up limited to the greedy class of two or more requests: the only class the
+    timed DFlash rounds run (a compilation takes minutes per class on a GPU with torch 2.11)."""
+    from dflash_trt.engine.engine import LLMEngine
+
+    real = LLMEngine._warm_up_variants
+
+    def greedy_batch(self: Any) -> Any:
+        return [w for w in real(self) if w.mode == "greedy" and w.batch > 1]
+
+    LLMEngine._warm_up_variants = greedy_batch  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LLMEngine._warm_up_variants = real  # type: ignore[method-assign]
+
+
+def _compiled_dflash(
+    args: argparse.Namespace, tdir: Any, ddir: Any, shape: Any, prompts: list[list[int]], max_seq_len: int
+) -> dict[str, Any]:  # fmt: skip
+    """The DFlash round at --batch requests with compile=True."""
+    from dflash_trt import LLM
+    from dflash_trt.models.dflash_config import max_draft_len_for
+
+    t0 = time.perf_counter()
+    with _greedy_batch_warm_up():
+        llm = LLM(
+            str(tdir),
+            speculative_config={
+                "decoding_type": "DFlash",
+                "max_draft_len": max_draft_len_for(shape.block_size),
+                "speculative_model": str(ddir),
+                "max_concurrency": args.batch,  # the full block at every batch size: the round's cost
+            },
+            max_batch_size=args.batch,
+            max_num_tokens=max(2048, args.batch * args.prompt_len),
+            max_seq_len=max_seq_len,
+            device=args.device,
+            dtype=args.dtype,
+            **{**args.engine_kwargs, "compile": True},
+        )
+    ready_s = time.perf_counter() - t0
+    runner = llm.engine.runner
+    out = _timed_rounds(llm, prompts, args.max_tokens, args.device)
+    out["ready_s"] = ready_s
+    out["compiled"] = runner.rounds is not None
+    graphs = list(runner._graphs.values())
+    out["graphs_compiled"] = sum(1 for g in graphs if getattr(g, "compiled_fn", None) is not None)
+    out["graphs"] = len(graphs)
+    print(f"dflash round, compiled {json.dumps(out)}", flush=True)
+    llm.shutdown()
+    del llm, runner, graphs
+    _collect(args.device)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,6 +257,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tdir, ddir = write_pair(
             shape, tmp, weights="on-load", dtype=args.dtype, seed=args.seed, device=args.device
         )
+        if args.only_compiled_dflash:
+            return {"dflash_compiled": _compiled_dflash(args, tdir, ddir, shape, prompts, max_seq_len)}
         t0 = time.perf_counter()
         llm = LLM(
             str(tdir),
@@ -211,13 +279,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plain_b = _timed_rounds(llm, prompts, args.max_tokens, args.device)
         plain_b["x_floor"] = plain_b["round_ms_median"] / floor_ms
         print(f"plain step   {json.dumps(plain_b)}", flush=True)
-        _free(llm, args.device)
+        llm.shutdown()
+        del llm
+        _collect(args.device)
         llm = LLM(
             str(tdir),
             speculative_config={
                 "decoding_type": "DFlash",
                 "max_draft_len": max_draft_len_for(shape.block_size),
                 "speculative_model": str(ddir),
+                "max_concurrency": args.batch,  # the full block at every batch size: the round's cost
             },
             max_batch_size=args.batch,
             max_num_tokens=max(2048, args.batch * args.prompt_len),
@@ -233,7 +304,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"dflash round {json.dumps(dflash)}", flush=True)
         plugins = llm.engine.runner.plugins is not None
         graphs = bool(llm.engine.runner.cuda_graphs)
-        _free(llm, args.device)
+        llm.shutdown()
+        del llm
+        _collect(args.device)
     result["config"] = {
         "shape": shape.name,
         "description": shape.description,
@@ -279,7 +352,34 @@ def format_summary(r: dict[str, Any]) -> str:
             f"{d['x_plain_step']:.2f}x the batch-1 plain step, {d['x_plain_step_same_batch']:.2f}x the batch-"
             f"{pb['batch']} plain step, {d['x_floor']:.2f}x floor (tau {d['tau']})",
         ]
+        + (
+            [
+                f"DFlash round, compiled:      {c['round_ms_median']:.3f} ms median = {c['x_eager_round']:.2f}x "
+                f"the eager round ({'compiled' if c['compiled'] else 'EAGER: compile failed'}, "
+                f"{c['graphs_compiled']}/{c['graphs']} graphs compiled, ready in {c['ready_s']:.0f} s)"
+            ]
+            if (c := r.get("dflash_compiled"))
+            else []
+        )
     )
+
+
+def _compiled_in_child(argv: list[str]) -> dict[str, Any] | None:
+    """Run the compiled DFlash measurement in a child process before this one allocates anything."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="dflash-p1-child-") as tmp:
+        out = Path(tmp) / "compiled.json"
+        child = [a for a in argv if a != "--compiled-dflash"]
+        if "--json" in child:
+            i = child.index("--json")
+            del child[i : i + 2]
+        cmd = [sys.executable, __file__, *child, "--only-compiled-dflash", "--json", str(out)]
+        if subprocess.run(cmd, check=False).returncode != 0 or not out.is_file():
+            print("# the compiled DFlash round could not be measured (see above)", flush=True)
+            return {"round_ms_median": float("nan"), "compiled": False, "graphs": 0, "graphs_compiled": 0,
+                    "ready_s": float("nan"), "failed": True}  # fmt: skip
+        return json.loads(out.read_text())["dflash_compiled"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,8 +394,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NO_DEVICE
+    compiled = _compiled_in_child(argv or sys.argv[1:]) if args.compiled_dflash else None
     result = run(args)
-    print(format_summary(result), flush=True)
+    if args.only_compiled_dflash:
+        print(json.dumps(result), flush=True)
+    else:
+        if compiled is not None:
+            compiled["x_eager_round"] = compiled["round_ms_median"] / result["dflash"]["round_ms_median"]
+            result["dflash_compiled"] = compiled
+        print(format_summary(result), flush=True)
     if args.json:
         tmp = Path(str(args.json) + ".tmp")
         tmp.write_text(json.dumps(result, indent=2) + "\n")

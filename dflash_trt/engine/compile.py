@@ -74,11 +74,12 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 def off_by_default_reason(device: torch.device) -> str | None:
     """Why rounds are not compiled by default on `device` although they can be (None: they are).
-    On a GPU the default is eager rounds in CUDA graphs: there a compiled round is captured in the
-    graphs (1.46x faster plain steps on Qwen3-8B, bench/README.md), but the DFlash round did not
-    compile on CUDA with torch 2.11 (inductor's reinplace pass refuses a scatter into a slice of
-    data-dependent size) and a cold compile takes minutes per shape class there; `compile=True`
-    (`serve --compile`) asks for it, and falls back to eager graphs if it fails."""
+    On a GPU the default is eager rounds in CUDA graphs. A compiled round captured in the graphs is
+    faster (Qwen3-8B shapes: plain step 1.46x on an H200, DFlash round at batch 16 1.60x on an H100;
+    bench/README.md), but it has only been checked on torch 2.11, which cannot save it: every start
+    compiles each shape class again, 1.5-2 minutes apiece for an 8B target, and the saved-artifact
+    path has not run on a GPU yet. `compile=True` (`serve --compile`) asks for it, and falls back to
+    eager graphs with a warning if it fails."""
     if device.type == "cuda":
         return "on a GPU rounds run eagerly in CUDA graphs unless compile=True (serve --compile) asks"
     return None
@@ -299,8 +300,12 @@ class RoundCache:
                 torch._dynamo.mark_dynamic(a, 0)
         torch._dynamo.mark_dynamic(args[3], 1)
         if not saves_compiled_rounds():  # an older torch: compiled in memory, for this process only
-            with compile_rules():
-                fn = _InMemoryRound(torch.compile(self._core, fullgraph=True, dynamic=True))
+            # Only the marked sizes are dynamic (dynamic=None, and no automatic dynamic, which keys on
+            # the function's name and would turn the draft length g symbolic once a second class
+            # compiles): with the block's length symbolic, inductor in torch 2.11 fails on the
+            # round's slices of it.
+            with compile_rules(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                fn = _InMemoryRound(torch.compile(_own_code(self._core), fullgraph=True, dynamic=None))
                 fn(None, *args, **kwargs)  # compile now, not in the first round that serves
             self.compiled += 1
             log.info("compiled round %s in %.1f s (not saved: this torch has no aot_compile)", key,
@@ -334,6 +339,20 @@ def saves_compiled_rounds() -> bool:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _own_code(method: Any) -> Any:
+    """`method` (a bound method) with a code object of its own. Dynamo keeps the compilations of a
+    function on its code object, with a limit of 8: every shape class compiled in memory, of every
+    engine in the process, would otherwise pile up on `_round_core`'s one code object, each call
+    checking the others' guards first, and the ninth class would fail to compile."""
+    import types
+
+    func = method.__func__
+    code = func.__code__.replace()  # an equal, distinct code object: an empty compile cache
+    copy = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(copy, method.__self__)
 
 
 class _InMemoryRound:

@@ -670,8 +670,10 @@ class ModelRunner:
         pending_feats, injected into the draft cache next round (rows beyond the committed count are
         never read: num_pending says how many are)."""
         if taps is not None:
-            n = taps.shape[1]
-            self.pending_feats[:, :n].index_copy_(0, rows, taps.to(self.pending_feats.dtype))
+            # One index_put_ over (row, column), not a copy into the slice pending_feats[:, :n]: inductor
+            # in torch 2.11 cannot match that slice's size against the taps' (the round failed to compile).
+            cols = torch.arange(taps.shape[1], device=taps.device)
+            self.pending_feats.index_put_((rows[:, None], cols[None, :]), taps.to(self.pending_feats.dtype))
 
     def _verify_tree(
         self, tree: DraftTree, starts: torch.Tensor, tables: torch.Tensor, ctx_idx: torch.Tensor, cap: int

@@ -91,10 +91,14 @@ def test_p1_on_a_toy_shape_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "p1.json"
     proc = _py(
         "p1_qwen3_8b.py", "--shape", "toy", "--device", "cpu", "--dtype", "float32", "--batch", "2",
-        "--prompt-len", "12", "--max-tokens", "6", "--reps", "2", "--json", str(out),
+        "--prompt-len", "12", "--max-tokens", "6", "--reps", "2", "--json", str(out), "--compiled-dflash",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
+    compiled = r["dflash_compiled"]  # measured in a child process, against this process's eager round
+    assert compiled["compiled"] and compiled["rounds_at_full_batch"] > 0
+    assert compiled["x_eager_round"] == compiled["round_ms_median"] / r["dflash"]["round_ms_median"]
+    assert "DFlash round, compiled:" in proc.stdout
     assert r["config"]["shape"] == "toy" and r["config"]["weights"].startswith("random on cpu")
     # toy: tied embeddings, so every target parameter is streamed once
     assert r["streamed_weight_bytes"] == r["config"]["parameters"]["target"] * 4

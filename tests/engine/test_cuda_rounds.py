@@ -93,11 +93,10 @@ def test_tiny_dflash2_rounds_in_cuda_graphs_equal_eager_rounds():
 @pytest.mark.parametrize("drafted", [False, True], ids=["plain", "dflash"])
 def test_compile_true_on_cuda_equals_eager_rounds(pair, drafted):  # noqa: F811
     """compile=True on a GPU: each shape class's round compiled (inductor's Triton kernels) and captured
-    in CUDA graphs at every padded page width. Plain decoding must run compiled graphs (for the classes
-    the warm-up compiles: greedy and plain sampling; top-k/top-p ones stay eager by design). The DFlash
-    round did not compile on CUDA with torch 2.11 (engine/compile.py `off_by_default_reason`): then
-    the engine must fall back to eager rounds that are still captured in graphs. Either way, greedy
-    and seeded sampled requests get the eager engine's tokens. Batch of one (two classes to compile)."""
+    in CUDA graphs at every padded page width. Plain and DFlash rounds must both run compiled graphs
+    (for the classes the warm-up compiles: greedy and plain sampling; top-k/top-p ones stay eager by
+    design), and no compiled class may run a graph captured eagerly. Greedy and seeded sampled
+    requests get the eager engine's tokens. Batch of one (two classes to compile)."""
     tdir, ddir, model = pair
     jobs = [(p, SamplingParams(**{**vars(sp), "max_tokens": 30})) for p, sp in workload(4, seed=21)]
     cfg = spec(ddir) if drafted else None
@@ -110,7 +109,8 @@ def test_compile_true_on_cuda_equals_eager_rounds(pair, drafted):  # noqa: F811
             runner = llm.engine.runner
             graphs = list(runner._graphs.values())
             assert graphs and not runner._graph_failed
-            if compile and not drafted:  # top-k/top-p requests are a class the warm-up does not compile
+            if compile:  # top-k/top-p requests are a class the warm-up does not compile
+                assert runner.rounds is not None, "compiling the round failed: the engine fell back to eager"
                 assert any(g.compiled_fn is not None for g in graphs), "no graph runs a compiled round"
                 assert not any(g.stale() for g in graphs), "a compiled class was captured eagerly"
     assert compiled == eager
