@@ -340,20 +340,25 @@ class LLMEngine:
     def _warm_up_variants(self) -> list[WarmUp]:
         """The warm-up's throwaway batches: greedy and sampled, at batch 2 and 1 (a batch of one has a
         compiled round of its own), at every draft length and DDTree budget the policies may choose
-        for that batch."""
+        for that batch. The longest draft length comes first, then the shorter ones longest first: a
+        background compiler (engine/precompile.py) delivers the classes serving uses most first."""
         new_tokens = min(3 * PAGE_SIZE, self.config.max_seq_len - 2)
         if new_tokens < 1:
             return []
         greedy = RequestParams(max_tokens=new_tokens, ignore_eos=True)
         sampled = RequestParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, seed=0)
-        return [
+        batches = [bs for bs in WARM_UP_BATCHES if bs <= self.config.max_batch_size]
+        lens = {bs: sorted(self._draft_lens_for(bs), reverse=True) for bs in batches}
+        rank = {(bs, g): 0 if g == lens[bs][0] else 1 + i for bs in batches for i, g in enumerate(lens[bs])}
+        variants = [
             WarmUp(g, budget if g > 0 else 0, mode, bs, params)
-            for bs in WARM_UP_BATCHES
-            if bs <= self.config.max_batch_size
-            for g in self._draft_lens_for(bs)
+            for g in sorted({g for bs in batches for g in lens[bs]}, reverse=True)
             for budget in (self.budgets.budgets() if g > 0 else (0,))
             for mode, params in (("greedy", greedy), ("sampled", sampled))
+            for bs in batches
+            if g in lens[bs]
         ]
+        return sorted(variants, key=lambda w: rank[w.batch, w.g])  # stable: the order above within a rank
 
     def _draft_lens_for(self, batch_size: int) -> tuple[int, ...]:
         """Every draft length a round of `batch_size` requests may run."""
