@@ -2,7 +2,7 @@
 """How many tokens a linear DFlash round drafts: the user's schedule, or chosen by cost (the default).
 
 With neither `draft_len_schedule` nor `max_concurrency` in the speculative config, the engine picks the
-draft length g per step among AUTO_DRAFT_LENS(K) = K, (K + 1) / 2 - 1, (K + 1) / 4 - 1 and 0 (plain
+draft length g per step among `auto_draft_lens(K)`: K, (K + 1) / 2 - 1, (K + 1) / 4 - 1 and 0 (plain
 decoding) by the rule of engine/round_policy.py: the most expected output tokens per second for the
 batch. A round at batch 1 always drafts K: it is mostly fixed per-operator cost there, the verify
 pass of K + 1 tokens costs about what one token's does, and the longest block accepts the most. At

@@ -109,12 +109,14 @@ def run_engine(
     """Token ids per job from the embedded engine (jobs: (prompt, SamplingParams or max_tokens)).
 
     rounds: filled with request id (= job index) -> [(accepted, emitted, drafts inside the block)]
-    per round. A request's rounds do not depend on what it was batched with, so two engines can be
-    compared draft for draft even when their threads batch requests differently."""
+    per round. With the draft length pinned to the full block at every batch size, a request's rounds
+    do not depend on what it was batched with, so two engines can be compared draft for draft even
+    when their threads batch requests differently (the automatic draft length would choose by time)."""
     from dflash_trt import LLM, SamplingParams
 
     tdir, ddir, _ = pair
-    spec = {"decoding_type": "DFlash", "max_draft_len": BLOCK - 1, "speculative_model": str(ddir)}
+    spec = {"decoding_type": "DFlash", "max_draft_len": BLOCK - 1, "speculative_model": str(ddir),
+            "max_concurrency": max_batch_size}  # fmt: skip
     llm = LLM(
         str(tdir),
         speculative_config=spec,
