@@ -199,30 +199,33 @@ def _greedy_batch_warm_up() -> Any:
         LLMEngine._warm_up_variants = real  # type: ignore[method-assign]
 
 
+def _llm(
+    args: argparse.Namespace, tdir: Any, max_seq_len: int, *, drafter: Any = None, **overrides: Any
+) -> Any:
+    """The engine every measurement uses: the target alone, or with the drafter (drafter = (its
+    directory, the shape)) drafting the full block at every batch size (the round's cost, not a
+    draft length chosen by load)."""
+    from dflash_trt import LLM
+    from dflash_trt.models.dflash_config import max_draft_len_for
+
+    spec = None
+    if drafter is not None:
+        ddir, shape = drafter
+        spec = {"decoding_type": "DFlash", "max_draft_len": max_draft_len_for(shape.block_size),
+                "speculative_model": str(ddir), "max_concurrency": args.batch}  # fmt: skip
+    return LLM(str(tdir), speculative_config=spec, max_batch_size=args.batch,
+               max_num_tokens=max(2048, args.batch * args.prompt_len), max_seq_len=max_seq_len,
+               device=args.device, dtype=args.dtype, **{**args.engine_kwargs, **overrides})  # fmt: skip
+
+
 def _compiled_dflash(
     args: argparse.Namespace, tdir: Any, ddir: Any, shape: Any, prompts: list[list[int]], max_seq_len: int
 ) -> dict[str, Any]:  # fmt: skip
     """The DFlash round at --batch requests with compile=True."""
-    from dflash_trt import LLM
-    from dflash_trt.models.dflash_config import max_draft_len_for
 
     t0 = time.perf_counter()
     with _greedy_batch_warm_up():
-        llm = LLM(
-            str(tdir),
-            speculative_config={
-                "decoding_type": "DFlash",
-                "max_draft_len": max_draft_len_for(shape.block_size),
-                "speculative_model": str(ddir),
-                "max_concurrency": args.batch,  # the full block at every batch size: the round's cost
-            },
-            max_batch_size=args.batch,
-            max_num_tokens=max(2048, args.batch * args.prompt_len),
-            max_seq_len=max_seq_len,
-            device=args.device,
-            dtype=args.dtype,
-            **{**args.engine_kwargs, "compile": True},
-        )
+        llm = _llm(args, tdir, max_seq_len, drafter=(ddir, shape), compile=True)
     ready_s = time.perf_counter() - t0
     runner = llm.engine.runner
     out = _timed_rounds(llm, prompts, args.max_tokens, args.device)
@@ -241,9 +244,7 @@ def _compiled_dflash(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from dflash_trt import LLM
     from dflash_trt.bench.shapes import get_shape, parameter_count, random_weights_on_load, write_pair
-    from dflash_trt.models.dflash_config import max_draft_len_for
 
     shape = get_shape(args.shape)
     gen = torch.Generator().manual_seed(args.seed)
@@ -260,15 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.only_compiled_dflash:
             return {"dflash_compiled": _compiled_dflash(args, tdir, ddir, shape, prompts, max_seq_len)}
         t0 = time.perf_counter()
-        llm = LLM(
-            str(tdir),
-            max_batch_size=args.batch,
-            max_num_tokens=max(2048, args.batch * args.prompt_len),
-            max_seq_len=max_seq_len,
-            device=args.device,
-            dtype=args.dtype,
-            **args.engine_kwargs,
-        )
+        llm = _llm(args, tdir, max_seq_len)
         load_s = time.perf_counter() - t0
         streamed = streamed_weight_bytes(llm.engine.target)
         floor_ms = streamed / (bw * 1e9) * 1e3
@@ -282,21 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         llm.shutdown()
         del llm
         _collect(args.device)
-        llm = LLM(
-            str(tdir),
-            speculative_config={
-                "decoding_type": "DFlash",
-                "max_draft_len": max_draft_len_for(shape.block_size),
-                "speculative_model": str(ddir),
-                "max_concurrency": args.batch,  # the full block at every batch size: the round's cost
-            },
-            max_batch_size=args.batch,
-            max_num_tokens=max(2048, args.batch * args.prompt_len),
-            max_seq_len=max_seq_len,
-            device=args.device,
-            dtype=args.dtype,
-            **args.engine_kwargs,
-        )
+        llm = _llm(args, tdir, max_seq_len, drafter=(ddir, shape))
         dflash = _timed_rounds(llm, prompts, args.max_tokens, args.device)
         dflash["x_plain_step"] = dflash["round_ms_median"] / plain["round_ms_median"]
         dflash["x_plain_step_same_batch"] = dflash["round_ms_median"] / plain_b["round_ms_median"]

@@ -44,10 +44,11 @@ class DraftLenPolicy(CostPolicy):
     def for_spec(cls, max_draft_len: int, schedule: Callable[[int], int] | None = None) -> DraftLenPolicy:
         """K = max_draft_len; schedule: a function batch size -> draft length (the user's
         `draft_len_schedule` / `max_concurrency`), or None for the choice by cost."""
-        policy = cls(candidates=auto_draft_lens(max_draft_len), max_draft_len=max_draft_len,
-                     schedule=schedule, last=max_draft_len)  # fmt: skip
-        policy._add_tau(0, [1])  # plain decoding: one token per round, nothing to measure
-        return policy
+        return cls(candidates=auto_draft_lens(max_draft_len), max_draft_len=max_draft_len,
+                   schedule=schedule, last=max_draft_len)  # fmt: skip
+
+    def tau(self, candidate: int) -> float | None:
+        return 1.0 if candidate == 0 else super().tau(candidate)  # plain decoding: one token a round
 
     @property
     def auto(self) -> bool:
@@ -82,10 +83,6 @@ class DraftLenPolicy(CostPolicy):
         self._record_cost(draft_len, batch_size, seconds)
         if draft_len > 0:
             self._add_tau(draft_len, [a + 1 for a in accepted])
-
-    def reset(self) -> None:
-        super().reset()
-        self._add_tau(0, [1])
 
     def summary(self) -> dict[str, object]:
         """The latest draft length and the measured tau per draft length (engine stats; the Triton

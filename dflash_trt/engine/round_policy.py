@@ -197,7 +197,7 @@ class CostPolicy:
 
     def _measures(self, batch_size: int) -> bool:
         """Whether rounds of this batch size are chosen by cost (and so recorded)."""
-        return self.pinned is None and self.override is None and self.fixed(batch_size) is None
+        return self.fixed(batch_size) is None
 
     def _record_cost(self, candidate: int, batch_size: int, seconds: float) -> None:
         bucket = self._buckets.setdefault(batch_bucket(batch_size), _Bucket())

@@ -9,6 +9,7 @@ from dflash_trt import LLM, SamplingParams
 from dflash_trt.engine.draft_len import DraftLenPolicy, auto_draft_lens
 from dflash_trt.engine.round_policy import EXPLORE_ROUNDS
 from tests.engine.test_llm import BLOCK, pair, spec  # noqa: F401  (pair: a fixture)
+from tests.engine.test_tree_budget import fake_clock
 
 K = 15
 TAUS = {0: 1, 3: 3, 7: 4, 15: 5}  # tokens per request-round at each draft length
@@ -75,24 +76,14 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
         plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp)]
     with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=16, max_seq_len=128) as llm:
         engine = llm.engine
-        clock, rounds = [0.0], []
-        run = engine.runner.decode_round
-
-        def timed(reqs, g, budget=0):
-            out = run(reqs, g, budget)
-            n = len(reqs)
-            clock[0] += 1.0 + (0.0 if n == 1 else n * (g + 1) ** 2)  # verify cost grows with the block
-            rounds.append((n, g))
-            return out
-
-        engine.runner.decode_round = timed
-        engine.clock = lambda: clock[0]
+        # the verify cost grows with the block
+        rounds = fake_clock(engine, lambda n, g, _b: 1.0 + (0.0 if n == 1 else n * (g + 1) ** 2))
         engine.draft_lens.explore_every = 10_000
         alone = llm.generate(prompts[:1], sp)[0].outputs[0].token_ids
-        assert {g for _, g in rounds} == {BLOCK - 1}
+        assert {g for _, g, _ in rounds} == {BLOCK - 1}
         rounds.clear()
         batch = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        full = [g for n, g in rounds if n == 16]
+        full = [g for n, g, _ in rounds if n == 16]
         candidates = auto_draft_lens(BLOCK - 1)
         explored = len(candidates) * (1 + EXPLORE_ROUNDS)
         assert sorted(full[:explored]) == sorted(candidates * (1 + EXPLORE_ROUNDS))

@@ -34,6 +34,23 @@ def feed(policy: BudgetPolicy, n: int, steps: int, cost) -> list[int]:
     return chosen
 
 
+def fake_clock(engine, cost) -> list[tuple[int, int, int]]:
+    """Time `engine`'s rounds with a fake clock: a round of n requests drafting g tokens at DDTree budget
+    b costs cost(n, g, b) seconds. Returns the list each round is recorded in, as (n, g, b)."""
+    clock, rounds = [0.0], []
+    run = engine.runner.decode_round
+
+    def timed(reqs, g, budget=0):
+        out = run(reqs, g, budget)
+        clock[0] += cost(len(reqs), g, budget)
+        rounds.append((len(reqs), g, budget))
+        return out
+
+    engine.runner.decode_round = timed
+    engine.clock = lambda: clock[0]
+    return rounds
+
+
 def test_pinned_and_config_forms():
     assert BudgetPolicy.from_config(None).budgets() == (0,) and BudgetPolicy.from_config(0).max_budget == 0
     pinned = BudgetPolicy.from_config(24)
@@ -113,28 +130,19 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
     with LLM(str(tdir), speculative_config=spec(ddir, tree_budget="auto"), max_batch_size=16,
              max_seq_len=256) as llm:  # fmt: skip
         engine = llm.engine
-        clock, rounds = [0.0], []
-        run = engine.runner.decode_round
-
-        def timed(reqs, g, budget=0):
-            out = run(reqs, g, budget)
-            n = len(reqs)
-            clock[0] += 1.0 if n == 1 else 1.0 + 0.5 * n * (budget + 1 if budget else g + 1)
-            rounds.append((n, budget))
-            return out
-
-        engine.runner.decode_round = timed
-        engine.clock = lambda: clock[0]
+        rounds = fake_clock(
+            engine, lambda n, g, b: 1.0 if n == 1 else 1.0 + 0.5 * n * (b + 1 if b else g + 1)
+        )
         engine.budgets.explore_every = 10_000  # no re-exploration (its own test above)
         sp = SamplingParams(max_tokens=120, return_perf_metrics=True)
         alone = llm.generate([1, 2, 3], sp).outputs[0].request_perf_metrics.speculative_decoding
         assert alone.tree_budgets[: len(EXPLORATION)] == EXPLORATION  # exploration at batch 1
-        assert alone.tree_budgets == [b for _, b in rounds]
+        assert alone.tree_budgets == [b for _, _, b in rounds]
         assert all(b > 0 for b in alone.tree_budgets[len(EXPLORATION) :])
         assert llm.get_stats()["tree_budget"] > 0
         rounds.clear()
         llm.generate([[i % 12 + 1, 2] for i in range(16)], sp)
-        full = [b for n, b in rounds if n == 16]
+        full = [b for n, _, b in rounds if n == 16]
         assert full[: len(NEW_BUCKET)] == NEW_BUCKET and set(full[len(NEW_BUCKET) :]) == {0}
     assert llm.engine.budgets.tau(64) >= llm.engine.budgets.tau(16)
 
