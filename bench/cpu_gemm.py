@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""dflash-trt's bf16 GEMM (dflash_trt/layers/cpu_gemm.py) against oneDNN's prepacked bf16 GEMM (what
+the engine used before it, and still uses without AVX512-BF16) and against the machine's read
+bandwidth, on the weight shapes of a model, for the row counts decoding and verification use.
+
+For each weight [N, K] and rows M: the best of --repeats timed loops of each kernel, its time and the
+weight bytes it streamed per second, the ratio of the two kernels, and each result's largest error
+against a float32 product. The read bandwidth (torch `x.sum()` over --bandwidth-gib GiB of bf16, the
+same threads) is the physical limit of a kernel that streams its weight from memory: weights smaller
+than the last-level cache are read from cache in these loops and may exceed it.
+
+    python bench/cpu_gemm.py                    # qwen3-0.3b's projections and LM head, 2 threads
+    python bench/cpu_gemm.py --shape toy --rows 1,16 --threads 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+from dflash_trt.bench.shapes import SHAPES
+
+
+def _weights(shape_name: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of one layer's fused projections and the LM head, as the engine packs them."""
+    s = SHAPES[shape_name]
+    head_dim = s.head_dim
+    q, kv = s.heads * head_dim, s.kv_heads * head_dim
+    return [
+        ("qkv", q + 2 * kv, s.hidden),
+        ("o_proj", s.hidden, q),
+        ("gate_up", 2 * s.intermediate, s.hidden),
+        ("down_proj", s.hidden, s.intermediate),
+        ("lm_head", s.vocab, s.hidden),
+    ]
+
+
+def _best(fn: Any, reps: int, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-0.3b", help=f"one of {', '.join(SHAPES)}")
+    p.add_argument("--rows", default="1,2,4,8,16,64", help="comma-separated row counts M")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed loops per point; the best counts")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the summed tensor (GiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    if args.shape not in SHAPES:
+        p.error(f"--shape {args.shape!r}: unknown; use one of {', '.join(SHAPES)}")
+    try:
+        rows = [int(x) for x in args.rows.split(",")]
+        if any(r < 1 for r in rows):
+            raise ValueError
+    except ValueError:
+        p.error(f"--rows {args.rows!r}: expected comma-separated integers >= 1, e.g. 1,8,16")
+
+    import torch
+
+    from dflash_trt.layers import cpu_gemm
+
+    if not cpu_gemm.available():
+        print("error: dflash-trt's bf16 GEMM does not run here (it needs AVX512-BF16 and a C compiler; "
+              f"{cpu_gemm.SWITCH_ENV}=0 turns it off)", file=sys.stderr)  # fmt: skip
+        return 1
+    torch.set_num_threads(args.threads)
+    big = torch.ones(int(args.bandwidth_gib * 2**30) // 2, dtype=torch.bfloat16)
+    secs = _best(big.sum, 5, 1)
+    bandwidth = big.numel() * 2 / secs / 1e9
+    del big
+    config = {
+        "shape": args.shape, "rows": rows, "threads": args.threads, "repeats": args.repeats,
+        "torch": torch.__version__, "python": platform.python_version(), "cpu": _cpu_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "read_bandwidth_gb_s": round(bandwidth, 1),
+    }  # fmt: skip
+    points = []
+    gen = torch.Generator().manual_seed(0)
+    for name, n, k in _weights(args.shape):
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+        ours, onednn = cpu_gemm.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            want = x.float() @ w.float().t()
+            reps = max(3, int(2e9 / (n * k * 2)))  # ~2 GB streamed per timed loop
+            row: dict[str, Any] = {"weight": name, "n": n, "k": k, "rows": m}
+            runs = {
+                "dflash": lambda x=x, ours=ours: cpu_gemm.gemm(x, ours, None),
+                "onednn": lambda x=x, pk=onednn: torch.ops.mkldnn._linear_pointwise(x, pk, None, "none", [None], ""),
+            }  # fmt: skip
+            for kernel, fn in runs.items():
+                t = _best(fn, reps, args.repeats)
+                row[f"{kernel}_us"] = round(t * 1e6, 1)
+                row[f"{kernel}_gb_s"] = round(n * k * 2 / t / 1e9, 1)
+                row[f"{kernel}_max_err"] = float((fn().float() - want).abs().max())
+            row["speedup"] = round(row["onednn_us"] / row["dflash_us"], 2)
+            points.append(row)
+    if args.json:
+        print(json.dumps({"config": config, "points": points}))
+        return 0
+    print("# cpu_gemm configuration: " + json.dumps(config))
+    print(
+        f"# read bandwidth (x.sum over {args.bandwidth_gib:g} GiB bf16, {args.threads} threads): {bandwidth:.1f} GB/s"
+    )
+    print(f"{'weight':<10} {'N':>7} {'K':>5} {'M':>4} {'dflash us':>10} {'GB/s':>6} {'oneDNN us':>10} {'GB/s':>6} "
+          f"{'speedup':>7} {'max err':>15}")  # fmt: skip
+    for r in points:
+        print(f"{r['weight']:<10} {r['n']:>7} {r['k']:>5} {r['rows']:>4} {r['dflash_us']:>10.1f} {r['dflash_gb_s']:>6.1f} "
+              f"{r['onednn_us']:>10.1f} {r['onednn_gb_s']:>6.1f} {r['speedup']:>6.2f}x "
+              f"{r['dflash_max_err']:>7.3g}/{r['onednn_max_err']:<7.3g}")  # fmt: skip
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
