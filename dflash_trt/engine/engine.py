@@ -35,6 +35,7 @@ from dflash_trt.engine.runner import ModelRunner, RoundShape, round_flags
 from dflash_trt.engine.scheduler import Scheduler
 from dflash_trt.engine.tree_budget import BudgetPolicy
 from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.layers import cpu_gemm
 from dflash_trt.layers.kv_cache import PagedKVCache, pages_for
 from dflash_trt.layers.linear import pack_linears
 from dflash_trt.models.checkpoint import load_drafter
@@ -43,6 +44,7 @@ from dflash_trt.models.loader import load_native_target
 from dflash_trt.spec.decoding_config import DFlashDecodingConfig, check_tree_drafter
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import validate_sampling
+from dflash_trt.utils.device import BF16_MIN_HIDDEN_CPU
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,8 @@ class LLMEngine:
         self.target.fuse_projections()
         if self.drafter is not None:
             self.drafter.fuse_projections()
-        self.packed_weights = self._pack_weights(config)
+        self.packed_weights = self._pack_weights(config, float32=device.type == "cpu" and dtype == torch.float32
+                                                 and tcfg.hidden_size >= BF16_MIN_HIDDEN_CPU)  # fmt: skip
         num_pages = self._plan_pages(dtype)
         self.num_kv_pages = num_pages - 1  # page 0 is the padding page
         self.scheduler = Scheduler(
@@ -139,16 +142,20 @@ class LLMEngine:
                  "auto" if self.budgets.auto else self.budgets.pinned, self.num_kv_pages, PAGE_SIZE, device,
                  dtype)  # fmt: skip
 
-    def _pack_weights(self, config: EngineConfig) -> int:
-        """bf16 weights on CPU prepacked for oneDNN (layers/linear.py); not with the drafting plugin,
-        whose kernels read the dense weights. Returns how many weights were packed."""
+    def _pack_weights(self, config: EngineConfig, *, float32: bool) -> int:
+        """bf16 weights on CPU prepacked (layers/linear.py: for dflash-trt's AVX512-BF16 GEMM, else for
+        oneDNN); with `float32` (a model wide enough for bytes to matter, run in fp32 on a CPU without
+        native bf16), fp32 weights that hold bf16 values kept as bf16 for dflash-trt's AVX2 GEMM. Not
+        with the drafting plugin, whose kernels read the dense weights. Returns how many were packed."""
         if config.use_plugins:
             return 0
-        count = pack_linears(self.target)
+        count = pack_linears(self.target, float32=float32)
         if self.drafter is not None:
-            count += pack_linears(self.drafter)
+            count += pack_linears(self.drafter, float32=float32)
         if count:
-            log.info("prepacked %d bf16 weights for oneDNN", count)
+            compute = torch.float32 if float32 else torch.bfloat16
+            kind = "dflash-trt's CPU GEMM" if cpu_gemm.available(compute) else "oneDNN"
+            log.info("prepacked %d weights as bf16 (%s, %s compute)", count, kind, str(compute)[6:])
         return count
 
     def _load_drafter(

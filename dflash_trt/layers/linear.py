@@ -16,6 +16,8 @@ packs every bf16 linear weight once, after loading, and from then on each `Linea
 runs `dflash_cpu::packed_linear`: on a CPU with AVX512-BF16, dflash-trt's own GEMM on its own layout
 (`cpu_gemm`: reads the weight once per call, faster than oneDNN at every batch measured), elsewhere
 oneDNN's kernels on the layout oneDNN picks (the same numerics as unpacked, without the reorder).
+On CPUs without native bf16 a wide bf16 checkpoint runs in fp32; `pack_linears(model, float32=True)`
+keeps its weights bf16 in memory there (`cpu_gemm`'s AVX2 kernel widens them in registers).
 
 A packed layer's weight is a *placeholder*: an empty [out_features, 0] tensor that stands for the
 packed one (torch.compile cannot trace oneDNN's opaque tensors; a placeholder is an ordinary graph
@@ -148,22 +150,32 @@ class FusedLinear(nn.Module):
         return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_linears` would pack this weight: bf16 on a CPU where our GEMM or oneDNN runs."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and not is_packed(weight)
-        and (cpu_gemm.supports(weight) or torch.backends.mkldnn.is_available())
-    )
+def can_pack(weight: torch.Tensor, *, float32: bool = False) -> bool:
+    """Whether `pack_linears` would pack this weight: bf16 on a CPU where our GEMM or oneDNN runs; with
+    `float32`, also an fp32 weight whose values are all bf16 values where our AVX2 kernel runs."""
+    return _packed_form(weight, float32=float32) is not None
 
 
-def pack_linears(model: nn.Module) -> int:
+def _packed_form(weight: torch.Tensor, *, float32: bool) -> str | None:
+    """'ours' (`cpu_gemm`), 'onednn', or None (stays dense) for this weight."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or is_packed(weight):
+        return None
+    if weight.dtype == torch.bfloat16 or (float32 and weight.dtype == torch.float32):
+        if cpu_gemm.supports(weight):
+            return "ours"
+        if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            return "onednn"
+    return None
+
+
+def pack_linears(model: nn.Module, *, float32: bool = False) -> int:
     """Prepack every bf16 `Linear` and `FusedLinear` weight of `model` (CPU: in `cpu_gemm`'s layout
     where that kernel runs, else in oneDNN's) and release the dense copies that nothing else needs
-    (every nn.Embedding weight of `model` stays dense, tied or not). Returns the number of weights
-    packed. Inference only; call after loading, fusing and moving the model."""
+    (every nn.Embedding weight of `model` stays dense, tied or not). With `float32`, also every fp32
+    weight whose values are all bf16 values (a bf16 checkpoint loaded in fp32): stored as bf16 in
+    `cpu_gemm`'s layout, half the bytes, computed in fp32 (where its AVX2 kernel runs; else it stays
+    dense). Returns the number of weights packed. Inference only; call after loading, fusing and
+    moving the model."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
     count = 0
@@ -174,11 +186,12 @@ def pack_linears(model: nn.Module) -> int:
         elif not isinstance(module, FusedLinear):
             continue
         weight = module.weight
-        if not can_pack(weight):
+        form = _packed_form(weight, float32=float32)
+        if form is None:
             continue
         with torch.no_grad():
             packed: torch.Tensor | cpu_gemm.BlockedWeight
-            if cpu_gemm.supports(weight):
+            if form == "ours":
                 packed = cpu_gemm.pack(weight)
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)

@@ -100,6 +100,7 @@ def test_llama_shape_untied_floor_and_checkpoint_reuse(tmp_path: Path) -> None:
     labels = ["default", "eager", "default, oneDNN GEMM"]
     assert [x["label"] for x in r["ours"]] == labels and r["ours"][1]["compile_argument"] is False
     assert {x["gemm"] for x in r["ours"]} == {"torch (float32)"}  # a toy shape stays in float32
+    assert {x["weights_dtype"] for x in r["ours"]} == {"float32"}  # too narrow to keep bf16 weights
     assert set(r["check"]["runs"]) == set(labels) and r["check"]["identical"] is True
     _check_arithmetic(r, itemsize=4)
     assert "writing the random" in proc.stderr

@@ -51,7 +51,7 @@ NO_KERNEL = "this CPU has no AVX512-BF16 (or no C compiler): dflash-trt's bf16 G
 def gemm_kernel(request, monkeypatch) -> str:
     """Which kernel packed linears run: oneDNN's (our GEMM switched off), or dflash-trt's."""
     if request.param == "onednn":
-        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+        monkeypatch.setattr(cpu_gemm, "available", lambda dtype=None: False)
     elif not cpu_gemm.available():
         pytest.skip(NO_KERNEL)
     return request.param
@@ -111,25 +111,27 @@ def test_dflash_gemm_equals_a_float32_product(m, n, k) -> None:
         cpu_gemm.gemm(torch.zeros(1, k + 2, dtype=torch.bfloat16), packed, None)
 
 
-def test_dflash_gemm_builds_once_into_its_cache(tmp_path, monkeypatch) -> None:
-    """The library is compiled once per source, flags and compiler and then reused; a compiler that
-    fails is an error (callers keep oneDNN), and the switch turns the kernel off."""
+@pytest.mark.parametrize("kernel", [cpu_gemm.BF16, cpu_gemm.F32], ids=["bf16", "f32"])
+def test_dflash_gemm_builds_once_into_its_cache(kernel, tmp_path, monkeypatch) -> None:
+    """Each library is compiled once per source, flags and compiler and then reused; a compiler that
+    fails is an error (callers keep torch's GEMMs), and the switch turns the kernels off."""
     import shutil
 
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))
-    first = cpu_gemm._build()
+    first = cpu_gemm._build(kernel)
     stamp = first.stat().st_mtime_ns
-    assert cpu_gemm._build() == first and first.stat().st_mtime_ns == stamp
+    assert cpu_gemm._build(kernel) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    assert first.name.startswith(kernel.source.removesuffix(".c"))
     monkeypatch.setenv("CC", "false")
     with pytest.raises(Exception):  # noqa: B017 - `false --version` or the compile itself fails
-        cpu_gemm._build()
+        cpu_gemm._build(kernel)
     monkeypatch.setenv(cpu_gemm.SWITCH_ENV, "0")
     cpu_gemm._entry.cache_clear()
     try:
-        assert not cpu_gemm.available()
+        assert not cpu_gemm.available(kernel.dtype)
     finally:
         monkeypatch.delenv(cpu_gemm.SWITCH_ENV)
         cpu_gemm._entry.cache_clear()
@@ -139,6 +141,55 @@ def test_only_bf16_cpu_weights_are_packed() -> None:
     assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))
     assert not can_pack(torch.zeros(4, 4))  # float32 keeps MKL's GEMMs
     assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16, device="meta"))
+    # unless asked to: then fp32 weights holding bf16 values only, where the AVX2 kernel runs
+    assert can_pack(torch.zeros(4, 4), float32=True) is cpu_gemm.available(torch.float32)
+    assert not can_pack(torch.full((4, 4), 1 + 2**-10), float32=True)  # not a bf16 value: never narrowed
+
+
+NO_AVX2 = "this CPU has no AVX2/FMA (or no C compiler): dflash-trt's fp32 GEMM on bf16 weights does not run"
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(61, 32), (100, 64), (1000, 512)])
+def test_float32_gemm_on_bf16_weights_equals_a_float32_product(m, n, k) -> None:
+    """The AVX2 kernel: fp32 activations, weights kept as bf16, an fp32 result equal to the fp32
+    product of the same (bf16-valued) weights up to the summation order."""
+    if not cpu_gemm.available(torch.float32):
+        pytest.skip(NO_AVX2)
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16().float()  # a bf16 checkpoint loaded in fp32
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    assert cpu_gemm.supports(w) and not cpu_gemm.supports(w + 2**-12)
+    packed = cpu_gemm.pack(w)
+    assert packed.data.dtype == torch.bfloat16  # half the bytes of the fp32 weight
+    for b in (None, bias):
+        got = cpu_gemm.gemm(x, packed, b)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_engine_keeps_bf16_weights_and_is_lossless(monkeypatch) -> None:
+    """tiny in float32 with its (bf16-checkpoint) weights kept as bf16 for the AVX2 kernel, as the
+    engine does for models at least BF16_MIN_HIDDEN_CPU wide (lowered here to reach tiny): greedy
+    DFlash output equals the plain greedy output of the same target with dense fp32 weights."""
+    from dflash_trt.engine import engine as engine_mod
+    from dflash_trt.tiny import heldout_prompts
+
+    if not cpu_gemm.available(torch.float32):
+        pytest.skip(NO_AVX2)
+    tiny = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"}
+    prompts = heldout_prompts()[:4]
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    with LLM("tiny", dtype="float32", compile=False) as plain:
+        assert plain.engine.packed_weights == 0  # tiny is narrower than the threshold
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    monkeypatch.setattr(engine_mod, "BF16_MIN_HIDDEN_CPU", 0)
+    with LLM("tiny", dtype="float32", compile=False, speculative_config=tiny, max_batch_size=4) as llm:
+        assert llm.engine.packed_weights > 4 * 12 + 1  # the target's and the drafter's linears
+        head = llm.engine.target.lm_head
+        assert isinstance(linear_mod._PACKED[head.packed._cdata], cpu_gemm.BlockedWeight)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
 
 
 @pytest.mark.parametrize("t", [1, 7, 16])
