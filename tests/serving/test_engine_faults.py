@@ -33,7 +33,8 @@ pytestmark = pytest.mark.triton_server
 
 C = 16  # concurrent streams per protocol
 N_PLAIN = 4  # non-streaming OpenAI requests
-STEP = 40  # the engine step the fault fires in (the engine runs a few steps a second here)
+STEP = 80  # the engine step the fault fires in: late enough that, on a loaded 2-core machine, every client
+# has sent its request and at least half the batch rows stream (at 40, a loaded run saw only 5 of 16)
 WEDGE_TIMEOUT_S = 4.0
 WITHIN_S = 10.0
 MAX_TOKENS = 1900
