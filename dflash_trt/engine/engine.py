@@ -144,9 +144,10 @@ class LLMEngine:
 
     def _pack_weights(self, config: EngineConfig, *, float32: bool) -> int:
         """bf16 weights on CPU prepacked (layers/linear.py: for dflash-trt's AVX512-BF16 GEMM, else for
-        oneDNN); with `float32` (a model wide enough for bytes to matter, run in fp32 on a CPU without
-        native bf16), fp32 weights that hold bf16 values kept as bf16 for dflash-trt's AVX2 GEMM. Not
-        with the drafting plugin, whose kernels read the dense weights. Returns how many were packed."""
+        oneDNN); with `float32` (a model at least BF16_MIN_HIDDEN_CPU wide run in fp32 on a CPU: what the
+        dtype policy picks where the CPU has no native bf16, or the caller's dtype), fp32 weights that
+        hold bf16 values kept as bf16 for dflash-trt's AVX2 GEMM. Not with the drafting plugin, whose
+        kernels read the dense weights. Returns how many were packed."""
         if config.use_plugins:
             return 0
         count = pack_linears(self.target, float32=float32)
