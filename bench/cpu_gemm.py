@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from script_args import positive_ints
+
 from dflash_trt.bench.shapes import SHAPES
 
 
@@ -90,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.shape not in SHAPES:
         p.error(f"--shape {args.shape!r}: unknown; use one of {', '.join(SHAPES)}")
-    try:
-        rows = [int(x) for x in args.rows.split(",")]
-        if any(r < 1 for r in rows):
-            raise ValueError
-    except ValueError:
-        p.error(f"--rows {args.rows!r}: expected comma-separated integers >= 1, e.g. 1,8,16")
+    rows = positive_ints(p, "--rows", args.rows)
 
     import torch
 

@@ -44,10 +44,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from script_args import positive_ints
 
 from dflash_trt.bench.shapes import SHAPES, Shape
 
@@ -120,16 +121,6 @@ LLAMA_SHAPES = {
 ALL_SHAPES: dict[str, Shape] = {**SHAPES, **LLAMA_SHAPES}
 
 
-def _positive_ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        p.error(f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,8")
-    return values
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,7 +156,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.shape not in ALL_SHAPES:
         p.error(f"--shape {args.shape!r} is unknown; use one of {', '.join(ALL_SHAPES)}")
-    args.batch_sizes = _positive_ints(p, "--batch-sizes", args.batch_sizes)
+    args.batch_sizes = positive_ints(p, "--batch-sizes", args.batch_sizes)
     for name in ("max_tokens", "prompt_len", "warmup_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
@@ -284,27 +275,6 @@ def _batch_row(batch: int, tokens: list[int], seconds: list[float], floor: dict[
 
 
 # --- ours ------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _own_gemm(on: bool) -> Iterator[None]:
-    """Weights packed while inside go to dflash-trt's bf16 GEMM (where it runs) or, off, to oneDNN."""
-    from dflash_trt.layers import cpu_gemm
-
-    if on:
-        yield
-        return
-    old = os.environ.get(cpu_gemm.SWITCH_ENV)
-    os.environ[cpu_gemm.SWITCH_ENV] = "0"
-    cpu_gemm._entry.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[cpu_gemm.SWITCH_ENV]
-        else:
-            os.environ[cpu_gemm.SWITCH_ENV] = old
-        cpu_gemm._entry.cache_clear()
-
-
 def run_ours(
     args: argparse.Namespace,
     target: Path,
@@ -319,7 +289,7 @@ def run_ours(
     from dflash_trt.layers import cpu_gemm
 
     t0 = time.perf_counter()
-    with _own_gemm(own_gemm):  # the GEMM is chosen when the weights are packed, at load
+    with cpu_gemm.switched(own_gemm):  # the GEMM is chosen when the weights are packed, at load
         llm = LLM(
             str(target),
             device="cpu",  # the floor and vLLM-CPU are this CPU's

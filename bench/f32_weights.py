@@ -19,6 +19,8 @@ import platform
 import sys
 import time
 
+from script_args import positive_ints
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,12 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--compile", action="store_true", help="compiled rounds (default: eager, for a quick A/B)")
     args = p.parse_args(argv)
-    try:
-        batches = [int(x) for x in args.batch_sizes.split(",")]
-        if any(b < 1 for b in batches):
-            raise ValueError
-    except ValueError:
-        p.error(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers >= 1")
+    batches = positive_ints(p, "--batch-sizes", args.batch_sizes)
     if not os.path.isdir(args.target):
         p.error(f"target {args.target!r}: not a directory; pass a checkpoint directory")
     import torch
@@ -59,11 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[tuple[str, int], float] = {}
     ids: dict[tuple[str, int], list[int]] = {}
     for _ in range(args.repeats):
-        for label, switch in (("bf16 weights (ours)", "1"), ("fp32 weights (torch)", "0")):
-            os.environ[cpu_gemm.SWITCH_ENV] = switch
-            cpu_gemm._entry.cache_clear()
-            llm = LLM(args.target, device="cpu", dtype="float32", compile=args.compile,
-                      max_batch_size=max(batches), max_seq_len=args.prompt_len + args.max_tokens + 32)  # fmt: skip
+        for label, ours in (("bf16 weights (ours)", True), ("fp32 weights (torch)", False)):
+            with cpu_gemm.switched(ours):  # the kernel is bound to the weights when they are packed
+                llm = LLM(args.target, device="cpu", dtype="float32", compile=args.compile,
+                          max_batch_size=max(batches), max_seq_len=args.prompt_len + args.max_tokens + 32)  # fmt: skip
             try:
                 rates = {}
                 for b in batches:
@@ -80,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
             finally:
                 llm.shutdown()
-    os.environ.pop(cpu_gemm.SWITCH_ENV, None)
-    cpu_gemm._entry.cache_clear()
     for b in batches:
         ours, base = best[("bf16 weights (ours)", b)], best[("fp32 weights (torch)", b)]
         same = ids[("bf16 weights (ours)", b)] == ids[("fp32 weights (torch)", b)]

@@ -29,6 +29,7 @@ off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,6 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -75,6 +77,23 @@ class BlockedWeight(NamedTuple):
     data: torch.Tensor
     n: int
     k: int
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """Inside: both kernels on (where they run) or off, as DFLASH_TRT_CPU_GEMM says for this process
+    and its children; weights are bound to a kernel when packed, so it is the loads inside that count."""
+    old = os.environ.get(SWITCH_ENV)
+    os.environ[SWITCH_ENV] = "1" if on else "0"
+    _entry.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(SWITCH_ENV, None)
+        else:
+            os.environ[SWITCH_ENV] = old
+        _entry.cache_clear()
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:

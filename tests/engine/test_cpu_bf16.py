@@ -6,6 +6,8 @@ replace, and keep the engine lossless in bf16."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -128,13 +130,9 @@ def test_dflash_gemm_builds_once_into_its_cache(kernel, tmp_path, monkeypatch) -
     monkeypatch.setenv("CC", "false")
     with pytest.raises(Exception):  # noqa: B017 - `false --version` or the compile itself fails
         cpu_gemm._build(kernel)
-    monkeypatch.setenv(cpu_gemm.SWITCH_ENV, "0")
-    cpu_gemm._entry.cache_clear()
-    try:
+    with cpu_gemm.switched(False):
         assert not cpu_gemm.available(kernel.dtype)
-    finally:
-        monkeypatch.delenv(cpu_gemm.SWITCH_ENV)
-        cpu_gemm._entry.cache_clear()
+        assert os.environ[cpu_gemm.SWITCH_ENV] == "0"  # child processes see it too
 
 
 def test_only_bf16_cpu_weights_are_packed() -> None:
