@@ -37,9 +37,11 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dflash_trt.utils.env import scoped_env
 
 if TYPE_CHECKING:  # torch is imported where it is used: `serve` reads the names below without it
     import torch
@@ -127,20 +129,11 @@ BACKGROUND_ENV = "DFLASH_TRT_COMPILE_BACKGROUND"  # "0": compile before ready in
 ARTIFACT_SUFFIX = ".aot"
 
 
-@contextlib.contextmanager
-def foreground_compile() -> Iterator[None]:
+def foreground_compile() -> contextlib.AbstractContextManager[None]:
     """Engines built inside compile (or load) their rounds before they are ready instead of serving
     eagerly while a background process compiles: `precompile` and the benchmarks, which measure the
     compiled steady state."""
-    before = os.environ.get(BACKGROUND_ENV)
-    os.environ[BACKGROUND_ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(BACKGROUND_ENV, None)
-        else:
-            os.environ[BACKGROUND_ENV] = before
+    return scoped_env(BACKGROUND_ENV, "0")
 
 
 def bundle_cache_root(bundle: str | os.PathLike[str]) -> Path | None:

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_trt.utils.device import cpu_flags
+from dflash_trt.utils.env import scoped_env
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +84,12 @@ class BlockedWeight(NamedTuple):
 def switched(on: bool) -> Iterator[None]:
     """Inside: both kernels on (where they run) or off, as DFLASH_TRT_CPU_GEMM says for this process
     and its children; weights are bound to a kernel when packed, so it is the loads inside that count."""
-    old = os.environ.get(SWITCH_ENV)
-    os.environ[SWITCH_ENV] = "1" if on else "0"
-    _entry.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(SWITCH_ENV, None)
-        else:
-            os.environ[SWITCH_ENV] = old
+    with scoped_env(SWITCH_ENV, "1" if on else "0"):
         _entry.cache_clear()
+        try:
+            yield
+        finally:
+            _entry.cache_clear()  # the switch as restored is read on the next call
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
