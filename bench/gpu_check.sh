@@ -7,12 +7,14 @@
 #   env        nvidia-smi and the versions of everything the check imports
 #   tests      the CUDA tests (pytest -m gpu): the dflash:: kernels vs their references (block attention,
 #              context K/V, acceptance, tree attention, DFlash 2 conv and selector walk); CUDA-graph
-#              rounds equal eager rounds (linear DFlash, DDTree budgets, the tiny DFlash 2 drafter)
+#              rounds equal eager rounds (linear DFlash, DDTree budgets, the tiny DFlash 2 drafter);
+#              not the compile=True tests (minutes of compilation: they are in `compiled`)
 #   kernels    bench/plugin_kernels.py: each kernel vs the copy-bandwidth floor, engine rounds
 #   p1         bench/p1_qwen3_8b.py: Qwen3-8B shapes, random bf16 weights made on the GPU: the plain
 #              step vs the weight-streaming floor, the DFlash round at batch 16 vs the plain step
-#   compiled   bench/p1_qwen3_8b.py --compiled-dflash: the same, plus the DFlash round compiled (compile=True)
-#              against the eager one (~130 s of compilation for an 8B target on torch 2.11)
+#   compiled   the compile=True CUDA tests (compiled rounds equal eager rounds, plain and DFlash; ~190 s on
+#              an H100), then bench/p1_qwen3_8b.py --compiled-dflash: the DFlash round compiled against the
+#              eager one (~130 s of compilation for an 8B target on torch 2.11)
 #   reference  bench/reference_speed.py --device cuda: ours vs the authors' dflash_generate on the
 #              tiny pair (float32, must be identical) and on the random qwen3-0.3b pair (bfloat16)
 # Everything is written under $OUT (the device tool's folder; default bench/runs/gpu-check), at most
@@ -114,7 +116,7 @@ PY
 fi
 
 if has tests; then
-  step tests 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA \
+  step tests 330 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA -k "not compile_true" \
     tests/plugins/test_gpu.py tests/plugins/test_tree_attention.py tests/plugins/test_dflash2_gpu.py \
     tests/engine/test_llm.py tests/engine/test_cuda_rounds.py
   tail -n 6 "$LOG" | grep -E "passed|failed|error" | tail -n 1 | sed 's/^/tests: /' | tee -a "$SUMMARY"
@@ -127,6 +129,9 @@ if has p1; then
   grep -E "^(weights streamed|plain step \(|DFlash round \()" "$LOG" | tail -n 4 | tee -a "$SUMMARY"
 fi
 if has compiled; then
+  step compiled-tests 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA -k compile_true \
+    tests/engine/test_cuda_rounds.py
+  tail -n 6 "$LOG" | grep -E "passed|failed|error" | tail -n 1 | sed 's/^/compiled-tests: /' | tee -a "$SUMMARY"
   step compiled 360 "$PY" bench/p1_qwen3_8b.py --compiled-dflash --json "$OUT/p1_compiled.json"
   grep -E "^(DFlash round \(|DFlash round, compiled)" "$LOG" | tail -n 2 | tee -a "$SUMMARY"
 fi
