@@ -107,19 +107,26 @@ def machine_key(device: torch.device) -> str:
 
 
 def use_cache_root(root: str | os.PathLike[str] | None, device: torch.device) -> Path:
-    """Point inductor's caches at <root>/<machine key> (root: the argument, $DFLASH_TRT_COMPILE_CACHE,
-    or ~/.cache/dflash-trt/compile) unless the user set TORCHINDUCTOR_CACHE_DIR (torch writes its own
-    default there on first use: that one is replaced). Returns the directory."""
+    """The directory of this machine's compiled rounds: <root>/<machine key> (root: the argument,
+    $DFLASH_TRT_COMPILE_CACHE, or ~/.cache/dflash-trt/compile). Inductor's caches go there too
+    (`point_inductor_at`). Returns the directory."""
+    base = Path(root or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
+    directory = base / machine_key(device)
+    directory.mkdir(parents=True, exist_ok=True)
+    point_inductor_at(directory)
+    return directory
+
+
+def point_inductor_at(directory: str | os.PathLike[str]) -> None:
+    """Inductor's own caches (FX graphs, kernels) beside our compiled rounds, unless the user set
+    TORCHINDUCTOR_CACHE_DIR (torch writes its own default there on first use: that one is replaced).
+    A user's setting moves only inductor's caches: the compiled rounds stay in their directory."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     preset = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if preset and os.path.abspath(preset) != os.path.abspath(default_cache_dir()):
-        return Path(preset)
-    base = Path(root or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
-    directory = base / machine_key(device)
-    directory.mkdir(parents=True, exist_ok=True)
+        return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
-    return directory
 
 
 ROUND_SOURCES = ("layers", "models", "spec", "plugins", "engine")  # what a compiled round is made of

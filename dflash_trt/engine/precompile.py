@@ -46,7 +46,7 @@ class PrecompileRequest:
     device: str
     dtype: str
     cpu_threads: int | None
-    compile_root: str  # inductor's cache directory (the machine's directory under the cache root)
+    compile_root: str  # the machine's directory under the compile cache root (engine/compile.py)
     eos_token_ids: tuple[int, ...]
 
 
@@ -107,12 +107,13 @@ def run(request: PrecompileRequest) -> int:
 
     import torch
 
+    from dflash_trt.engine.compile import point_inductor_at
     from dflash_trt.engine.config import EngineConfig
     from dflash_trt.engine.engine import LLMEngine
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
     from dflash_trt.utils.device import DTYPES
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = request.compile_root
+    point_inductor_at(request.compile_root)
     if request.cpu_threads is not None:
         torch.set_num_threads(request.cpu_threads)
     config = EngineConfig(**request.engine)

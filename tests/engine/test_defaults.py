@@ -83,8 +83,10 @@ def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tm
         assert _compile_wanted(True, CPU, str(tmp_path)) == (False, None)  # asked for, impossible: eager
     assert "compiled rounds are off: no C++ compiler on PATH" in caplog.text
     assert _compile_wanted(False, CPU, str(tmp_path)) == (False, None)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept
-    assert compile_mod.use_cache_root(tmp_path / "other", CPU) == tmp_path / "mine"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept, for inductor only
+    other = tmp_path / "other" / compile_mod.machine_key(CPU)
+    assert compile_mod.use_cache_root(tmp_path / "other", CPU) == other and other.is_dir()
+    assert __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_no_compiler_is_a_reason_not_to_compile(monkeypatch) -> None:
