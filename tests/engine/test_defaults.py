@@ -83,7 +83,8 @@ def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tm
         assert _compile_wanted(True, CPU, str(tmp_path)) == (False, None)  # asked for, impossible: eager
     assert "compiled rounds are off: no C++ compiler on PATH" in caplog.text
     assert _compile_wanted(False, CPU, str(tmp_path)) == (False, None)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept, for inductor only
+    # the user's inductor cache: kept, for inductor's own caches only
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     other = tmp_path / "other" / compile_mod.machine_key(CPU)
     assert compile_mod.use_cache_root(tmp_path / "other", CPU) == other and other.is_dir()
     assert __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
