@@ -86,6 +86,8 @@ step() { # NAME LIMIT_S COMMAND...: run within min(LIMIT_S, what is left of the 
 }
 
 has() { for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+# pytest_line NAME: pytest's closing line from the log into the summary, prefixed with NAME
+pytest_line() { tail -n 6 "$LOG" | grep -E "passed|failed|error" | tail -n 1 | sed "s/^/$1: /" | tee -a "$SUMMARY"; }
 
 if has env; then
   {
@@ -119,7 +121,7 @@ if has tests; then
   step tests 330 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA -k "not compile_true" \
     tests/plugins/test_gpu.py tests/plugins/test_tree_attention.py tests/plugins/test_dflash2_gpu.py \
     tests/engine/test_llm.py tests/engine/test_cuda_rounds.py
-  tail -n 6 "$LOG" | grep -E "passed|failed|error" | tail -n 1 | sed 's/^/tests: /' | tee -a "$SUMMARY"
+  pytest_line tests
 fi
 if has kernels; then
   step kernels 180 "$PY" bench/plugin_kernels.py --json "$OUT/plugin_kernels.json"
@@ -131,7 +133,7 @@ fi
 if has compiled; then
   step compiled-tests 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA -k compile_true \
     tests/engine/test_cuda_rounds.py
-  tail -n 6 "$LOG" | grep -E "passed|failed|error" | tail -n 1 | sed 's/^/compiled-tests: /' | tee -a "$SUMMARY"
+  pytest_line compiled-tests
   step compiled 360 "$PY" bench/p1_qwen3_8b.py --compiled-dflash --json "$OUT/p1_compiled.json"
   grep -E "^(DFlash round \(|DFlash round, compiled)" "$LOG" | tail -n 2 | tee -a "$SUMMARY"
 fi
