@@ -109,6 +109,36 @@ def locate_tritonserver() -> TritonInstall:
     return TritonInstall(binary, backends, env, "nvidia-pytriton", tmp)
 
 
+STUB_PROGRAM = "triton_python_backend_stub"
+
+
+def scan_stubs(parent: int) -> tuple[dict[int, str], set[int]]:
+    """One pass over /proc: the Python-backend stubs whose parent is `parent`. Returns the live ones
+    (pid -> the model.py they run, from the command line) and the dead, unreaped ones (zombies: no
+    command line left, so they are known by their 15-character kernel name, `comm`)."""
+    alive: dict[int, str] = {}
+    zombies: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        head, _, tail = stat.rpartition(b")")
+        comm = head.partition(b"(")[2]
+        state, ppid = tail.split()[:2]
+        if int(ppid) != parent:
+            continue
+        if state in (b"Z", b"X"):
+            if comm == STUB_PROGRAM[:15].encode():
+                zombies.add(int(entry))
+        elif cmd[0].endswith(STUB_PROGRAM.encode()) and len(cmd) > 1:
+            alive[int(entry)] = cmd[1].decode(errors="replace")
+    return alive, zombies
+
+
 ADMIN_HEADER = "dflash-trt-admin"
 # Triton's endpoint groups that the API key guards: all but `health` (probes) and
 # `model-repository` (the admin key's, or the API key's when there is no admin key).
@@ -241,37 +271,22 @@ class TritonServer:
             time.sleep(0.25)
 
     # --- supervision ------------------------------------------------------------------------------
-    def _stubs_now(self) -> dict[int, str]:
-        """Live (not zombie) Python-backend stubs whose parent is this server: pid -> model.py."""
-        if self.proc is None:
-            return {}
-        found: dict[int, str] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-            if int(ppid) != self.proc.pid or state in ("Z", "X") or not cmd:
-                continue
-            if cmd[0].endswith(b"triton_python_backend_stub") and len(cmd) > 1:
-                found[int(entry)] = cmd[1].decode(errors="replace")
-        return found
-
     def watch_stubs(self) -> dict[int, str]:
         """Remember the stubs running now (call once the server is ready); returns them."""
-        self.stub_pids = self._stubs_now()
+        if self.proc is not None:
+            self.stub_pids = scan_stubs(self.proc.pid)[0]
         return dict(self.stub_pids)
 
     def dead_stubs(self) -> dict[int, str]:
-        """The remembered stubs that are gone (killed, crashed): pid -> model.py."""
-        if not self.stub_pids:
+        """The stubs that are gone (killed, crashed): pid -> model.py. Those remembered by watch_stubs()
+        and no longer alive, and any unreaped one (a zombie named as a stub): Triton does not reap a stub
+        that dies under it, so one that died even before watch_stubs() looked is found too."""
+        if self.proc is None:
             return {}
-        alive = self._stubs_now()
-        return {pid: model for pid, model in self.stub_pids.items() if pid not in alive}
+        alive, zombies = scan_stubs(self.proc.pid)
+        dead = {pid: model for pid, model in self.stub_pids.items() if pid not in alive}
+        dead.update({pid: self.stub_pids.get(pid, "model.py unknown") for pid in zombies})
+        return dead
 
     def heartbeat_age(self) -> float | None:
         """Seconds since the model last touched its heartbeat (None: no control dir, or none yet)."""
