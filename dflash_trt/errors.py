@@ -29,6 +29,18 @@ class DFlashTrtError(Exception):
     def __str__(self) -> str:
         return self.one_line()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword fields (hint, field, value, output) survive pickling: the engine process sends its
+        # errors to the server's process (api/process.py) as they are.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[DFlashTrtError], args: tuple[Any, ...], state: dict[str, Any]) -> DFlashTrtError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
 
 class UsageError(DFlashTrtError):
     """Bad input from the user (flags, files, incompatible model pair). Exit code 2."""

@@ -247,7 +247,7 @@ class LLM:
             )
         sp.check_supported()
         prompt_text, ids = self._prompt_ids(inputs)
-        handle = GenerationHandle(
+        handle = self._new_handle(
             prompt=prompt_text, prompt_ids=ids, sampling_params=sp, streaming=streaming, on_abort=self._abort
         )
         with self._submit_lock:
@@ -265,6 +265,11 @@ class LLM:
                 raise
             handle.request_id = req.request_id
         return handle
+
+    def _new_handle(self, **fields: Any) -> GenerationHandle:
+        """The handle of a new request (api/process.py's worker makes its own, which it can name to its
+        parent)."""
+        return GenerationHandle(**fields)
 
     @property
     def engine_error(self) -> str | None:
@@ -431,12 +436,20 @@ class LLM:
         self._wake.set()  # an idle engine thread exits
 
     def _deliver(self, updates: list[StepUpdate], *, error: str | None = None) -> None:
+        outputs = []
         for update in updates:
             handle: GenerationHandle = update.req.owner
             out = self._snapshot(handle, update)
             out.error = error
             if update.finished:
                 self._live.pop(id(handle), None)
+            outputs.append((handle, out))
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[tuple[GenerationHandle, RequestOutput]]) -> None:
+        """Hand one step's outputs to their requests (api/process.py's worker sends them to its parent
+        process in one message instead)."""
+        for handle, out in outputs:
             handle.push(out)
 
     def _td(self, t: float | None) -> datetime.timedelta | None:

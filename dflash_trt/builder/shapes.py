@@ -118,13 +118,16 @@ def common_sections(
 
 
 def triton_config(engine: str) -> dict[str, Any]:
-    return {
+    cfg = {
         "max_batch_size": 0,
         "decoupled": True,
         "engine": engine,
         "cancellation_check_period_ms": 50,
         "bundle_root": "../../..",
     }
+    if engine == "dflash_trt":
+        cfg["engine_process"] = True  # the embedded engine in a process of its own (api/process.py)
+    return cfg
 
 
 def has_tokenizer(src: ModelSource) -> bool:

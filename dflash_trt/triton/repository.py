@@ -97,6 +97,7 @@ TRITON_CONFIG_KEYS = {
     "cancellation_check_period_ms",
     "bundle_root",
     "max_prompt_bytes",
+    "engine_process",
 }
 
 

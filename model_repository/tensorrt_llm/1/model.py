@@ -10,9 +10,11 @@ model.yaml (next to this file, or $LLM_CONFIG_PATH) holds LLM-API keyword argume
     engine: dflash_trt | tensorrt_llm
     cancellation_check_period_ms: 100
     bundle_root: ../../..        # relative paths in the LLM arguments are resolved against it
+    engine_process: true         # dflash_trt only: the engine in a child process (default true)
 The model talks to one engine interface, `dflash_trt.api.serving.ServingLLM`: the embedded engine
-`dflash_trt.LLM` (CPU or GPU) implements it as it is; `tensorrt_llm.LLM` (GPU) goes through the
-`TensorRTLLM` adapter below.
+`dflash_trt.LLM` (CPU or GPU) implements it as it is, and runs in a child process of this stub behind
+`dflash_trt.api.process.ProcessLLM` by default (its rounds then share no GIL with this stub's response
+path); `tensorrt_llm.LLM` (GPU) goes through the `TensorRTLLM` adapter below.
 
 Bounded work: the raw bytes of text_input are checked against max_prompt_bytes (triton_config; by
 default 32 bytes per token of the LLM's max_seq_len) before anything decodes or tokenizes them, and
@@ -384,8 +386,12 @@ class TensorRTLLM:
         return []
 
 
-def _open_engine(kind: str, cfg: dict[str, Any], loop: asyncio.AbstractEventLoop) -> tuple[ServingLLM, Any]:
-    """The engine named by triton_config.engine and its SamplingParams class."""
+def _open_engine(
+    kind: str, cfg: dict[str, Any], loop: asyncio.AbstractEventLoop, *, engine_process: bool = True
+) -> tuple[ServingLLM, Any]:
+    """The engine named by triton_config.engine and its SamplingParams class. The embedded engine runs
+    in a process of its own (dflash_trt/api/process.py) unless triton_config.engine_process is false;
+    then on a thread of this stub, sharing its GIL with the response path."""
     if kind == "tensorrt_llm":
         from tensorrt_llm import LLM as TrtLLM
         from tensorrt_llm import SamplingParams as TrtSamplingParams
@@ -395,6 +401,10 @@ def _open_engine(kind: str, cfg: dict[str, Any], loop: asyncio.AbstractEventLoop
     if kind == "dflash_trt":
         from dflash_trt import LLM, SamplingParams
 
+        if engine_process:
+            from dflash_trt.api.process import ProcessLLM
+
+            return ProcessLLM(**cfg), SamplingParams
         return LLM(**cfg), SamplingParams
     raise pb_utils.TritonModelException(f"triton_config.engine={kind!r}: use tensorrt_llm or dflash_trt")
 
@@ -453,7 +463,9 @@ class TritonPythonModel:
         )
         cfg = _resolve_paths(cfg, root.resolve())
         self.loop = asyncio.new_event_loop()
-        self.llm, self.SamplingParams = _open_engine(self.engine_kind, cfg, self.loop)
+        self.llm, self.SamplingParams = _open_engine(
+            self.engine_kind, cfg, self.loop, engine_process=bool(triton_cfg.get("engine_process", True))
+        )
         self.sampling_fields = {f.name for f in dataclasses.fields(self.SamplingParams)}
         spec = cfg.get("speculative_config") or {}
         self.block_size = int(spec.get("max_draft_len", 0) if isinstance(spec, dict) else 0) + 1

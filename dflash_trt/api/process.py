@@ -1,0 +1,447 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The embedded LLM in a process of its own, behind the interface a server talks to (api/serving.py).
+
+Why: inside a server, the engine thread shares its interpreter with the response path (the Triton
+stub's event loop, its metrics thread, the tokenizer pool). Every ATen call of a round releases the
+GIL and takes it back, and each time another thread may hold it: on `tiny` a served round took 2.2-3.1
+ms against 1.4-1.8 ms in process. With the engine in a child process (the layout of vLLM's EngineCore
+and of TensorRT-LLM's executor workers), the round runs on an interpreter with nothing else to do.
+Measured: bench/README.md, "The engine in a process of its own".
+
+`ProcessLLM(**llm_args)` starts `python -m dflash_trt.api.process`, builds `LLM(**llm_args)` there and
+proxies `generate_async`, `shutdown`, `engine_error`, `get_stats` and `drain_round_times`. Requests are
+tokenized and validated once, by the child's LLM: a bad request raises the same RequestError (field
+and hint included) from `generate_async` here.
+
+Wire (pickled tuples over multiprocessing.connection on two os.pipe()s):
+    parent -> child  ("init", llm_args) once, then ("submit", key, inputs, sampling_params, streaming),
+                     ("abort", key), ("shutdown",)
+    child -> parent  ("ready", pid, stats) or ("failed", exc) once, then ("accepted", key, request_id, prompt,
+                     prompt_ids) or ("rejected", key, exc); ("out", [(key, RequestOutput), ...]): one
+                     message per engine step, with what the parent's handles keep (_ChildHandle);
+                     ("dead", cause); ("stats", stats, round_times) every STATS_PERIOD_S while something
+                     changed; ("log", level, name, text)
+Lifetime: the child ignores SIGINT and SIGTERM (a signal to the server's process group must not end the
+engine under requests that are still draining); it exits on ("shutdown",), after failing what is still
+in flight, or when its parent is gone (its end of the pipe reads EOF). A child that dies any other way
+(killed, a crash in native code) makes `engine_error` name its exit, and every request in flight ends
+with EngineDeadError at once, as when the engine thread dies in process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dflash_trt.api.handle import GenerationHandle
+from dflash_trt.api.llm import LLM
+from dflash_trt.api.outputs import RequestOutput
+from dflash_trt.errors import DFlashTrtError, EngineDeadError
+
+log = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 0.1  # the child's counters reach the parent at most this late
+SHUTDOWN_TIMEOUT_S = 45.0  # the child's LLM.shutdown() joins its engine thread for up to 30 s
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "the engine process closed its pipe but is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"the engine process was killed by {name}"
+    return f"the engine process exited with code {returncode}"
+
+
+class ProcessLLM:
+    """A ServingLLM whose LLM runs in a child process (module docstring)."""
+
+    def __init__(self, **llm_args: Any) -> None:
+        # Two locks, so that no thread waits on the pipe while holding the state: the reader only ever
+        # takes _lock, and a send that blocks on a full pipe holds only _tx_lock.
+        self._lock = threading.Lock()  # _live, _replies, _stats, _round_times, _closed, _dead, _link_open
+        self._tx_lock = threading.Lock()
+        self._replied = threading.Condition(self._lock)
+        self._live: dict[int, GenerationHandle] = {}  # key -> handle, until its final output
+        self._replies: dict[int, tuple[Any, ...]] = {}  # key -> ("accepted" | "rejected", ...)
+        self._keys = itertools.count()
+        self._stats: dict[str, Any] = {}
+        self._round_times: list[float] = []
+        self._closed = False  # shutdown() was called
+        self._dead: str | None = None
+        self._link_open = True
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "dflash_trt.api.process", str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            for fd in (to_child_w, from_child_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._tx = Connection(to_child_w, readable=False)
+        self._rx = Connection(from_child_r, writable=False)
+        try:
+            self._tx.send(("init", llm_args))
+            self.pid = self._await_ready()
+        except BaseException:
+            self._proc.kill()
+            self._proc.wait()
+            self._tx.close()
+            self._rx.close()
+            raise
+        self._reader = threading.Thread(target=self._read, name="dflash-engine-link", daemon=True)
+        self._reader.start()
+
+    def _await_ready(self) -> int:
+        """Relay the child's logs until it reports its LLM built; raise what it raised otherwise."""
+        while True:
+            try:
+                msg = self._rx.recv()
+            except (EOFError, OSError):
+                code = self._proc.wait()
+                raise DFlashTrtError(
+                    f"{describe_exit(code)} while it loaded the model",
+                    hint="see the engine's log above (out of memory? a crash in native code?)",
+                ) from None
+            if msg[0] == "ready":
+                self._stats = msg[2]
+                return int(msg[1])
+            if msg[0] == "failed":
+                self._proc.wait(timeout=10)
+                raise msg[1]
+            if msg[0] == "log":
+                _relay_log(*msg[1:])
+
+    # --- requests --------------------------------------------------------------------------------------
+    def generate_async(
+        self, inputs: Any, sampling_params: Any = None, streaming: bool = False
+    ) -> GenerationHandle:
+        """Queue one request in the child; its RequestError (a bad request) is raised here."""
+        with self._lock:
+            self._check_open()
+            key = next(self._keys)
+            # Registered before it is sent: the child may publish outputs before it answers.
+            handle = GenerationHandle(
+                prompt=None,
+                prompt_ids=[],
+                sampling_params=sampling_params,
+                streaming=streaming,
+                on_abort=functools.partial(self._abort, key),
+            )
+            self._live[key] = handle
+        self._send(("submit", key, inputs, sampling_params, streaming))
+        with self._lock:
+            while key not in self._replies and self._link_open:
+                self._replied.wait()
+            reply = self._replies.pop(key, None)
+            if reply is None:  # the child went away first; the reader has failed the handle
+                self._live.pop(key, None)
+                self._check_open()
+                raise EngineDeadError("the engine process went away", hint="restart the server")
+            if reply[0] == "rejected":
+                self._live.pop(key, None)
+                raise reply[2]
+        _, _, handle.request_id, handle.prompt, handle.prompt_token_ids = reply
+        return handle
+
+    def _abort(self, key: int, _handle: GenerationHandle) -> None:
+        self._send(("abort", key))
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(
+                f"the engine is dead: {self._dead}", hint="create a new LLM (restart the server)"
+            )
+        if self._closed:
+            raise DFlashTrtError("the LLM was shut down", hint="create a new LLM")
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        # OSError: the child is gone; the reader fails what is left (and a late abort has no work)
+        with self._tx_lock, contextlib.suppress(OSError):
+            self._tx.send(msg)
+
+    # --- the child's messages ----------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._rx.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "out":
+                for key, out in msg[1]:
+                    self._push(key, out)
+            elif kind in ("accepted", "rejected"):
+                with self._lock:
+                    self._replies[msg[1]] = msg
+                    self._replied.notify_all()
+            elif kind == "stats":
+                with self._lock:
+                    self._stats = msg[1]
+                    self._round_times.extend(msg[2])
+            elif kind == "dead":
+                with self._lock:
+                    if self._dead is None:
+                        self._dead = msg[1]
+            elif kind == "log":
+                _relay_log(*msg[1:])
+        self._link_closed()
+
+    def _push(self, key: int, out: RequestOutput) -> None:
+        handle = self._live.get(key)
+        if handle is None:
+            return
+        if out.prompt_token_ids is None:  # sent once per request (_ChildHandle.forward)
+            out.prompt, out.prompt_token_ids = handle.prompt, handle.prompt_token_ids
+        else:
+            handle.prompt, handle.prompt_token_ids = out.prompt, out.prompt_token_ids
+        if out.finished:
+            with self._lock:
+                self._live.pop(key, None)
+        handle.push(out)
+
+    def _link_closed(self) -> None:
+        """The child's end is closed: it exited (asked to, or not). Fail whatever is still pending."""
+        try:
+            code = self._proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        with self._lock:
+            self._link_open = False
+            if not self._closed and self._dead is None:
+                self._dead = describe_exit(code)
+                log.error("%s: every request in flight fails; new requests are refused", self._dead)
+            cause = self._dead or "the LLM was shut down"
+            handles = list(self._live.values())
+            self._live.clear()
+            self._replied.notify_all()
+        for handle in handles:
+            handle.fail(cause)
+
+    # --- ServingLLM ---------------------------------------------------------------------------------------
+    @property
+    def engine_error(self) -> str | None:
+        """None while the child's engine serves (or after a clean shutdown); else why it stopped."""
+        return self._dead
+
+    def get_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._stats)
+
+    def drain_round_times(self) -> list[float]:
+        with self._lock:
+            times, self._round_times = self._round_times, []
+        return times
+
+    def shutdown(self) -> None:
+        """Shut the child's LLM down (requests in flight end with EngineDeadError) and wait for it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._send(("shutdown",))
+        try:
+            self._proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "the engine process did not exit within %.0f s of shutdown: killed", SHUTDOWN_TIMEOUT_S
+            )
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=10)
+        with self._tx_lock:
+            self._tx.close()
+        self._rx.close()
+
+    def __enter__(self) -> ProcessLLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _relay_log(level: int, name: str, text: str) -> None:
+    logging.getLogger(name).log(level, "%s", text)
+
+
+# --- the child ------------------------------------------------------------------------------------------
+class _Link:
+    """The child's sending end: one message at a time, from any of its threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        # OSError: the parent is gone; the main thread reads EOF and shuts the engine down
+        with self._lock, contextlib.suppress(OSError):
+            self._conn.send(msg)
+
+
+class _PipeLogHandler(logging.Handler):
+    def __init__(self, link: _Link) -> None:
+        super().__init__()
+        self._link = link
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._link.send(("log", record.levelno, record.name, self.format(record)))
+        except Exception:
+            self.handleError(record)
+
+
+class _ChildHandle(GenerationHandle):
+    """A request's handle in the child. What crosses the pipe is only what the parent's handle keeps:
+    every output of a streaming request, the final one of any request, and a request's prompt (text
+    and ids, the largest part of an output with a long prompt) only in the first output sent; the
+    parent fills it in for the rest. The newest output stays here for fail(), which builds the error
+    output from what the request had produced."""
+
+    key: int
+    link: _Link
+    prompt_sent: bool = False
+
+    def forward(self, out: RequestOutput) -> tuple[int, RequestOutput] | None:
+        """The wire form of `out`, or None when the parent has no use for it."""
+        self._last = out
+        if not (self.streaming or out.finished):
+            return None
+        if self.prompt_sent:
+            out.prompt, out.prompt_token_ids = None, None  # type: ignore[assignment]
+        self.prompt_sent = True
+        return self.key, out
+
+    def push(self, item: RequestOutput) -> None:  # fail() ends here
+        wire = self.forward(item)
+        if wire is not None:
+            self.link.send(("out", [wire]))
+
+
+class _ChildLLM(LLM):
+    """The LLM in the child: each step's outputs go to the parent in one message, under the parent's
+    keys; its death is announced before the requests it fails."""
+
+    def __init__(self, link: _Link, **llm_args: Any) -> None:
+        self._link = link
+        self.next_key = -1  # the key of the request being submitted (only the main thread submits)
+        self.by_key: dict[int, _ChildHandle] = {}
+        super().__init__(**llm_args)
+
+    def _new_handle(self, **fields: Any) -> GenerationHandle:
+        handle = _ChildHandle(**fields)
+        handle.key, handle.link = self.next_key, self._link
+        self.by_key[handle.key] = handle
+        return handle
+
+    def _publish(self, outputs: list[tuple[GenerationHandle, RequestOutput]]) -> None:
+        batch = []
+        for handle, out in outputs:
+            assert isinstance(handle, _ChildHandle)
+            if out.finished:
+                self.by_key.pop(handle.key, None)
+            wire = handle.forward(out)
+            if wire is not None:
+                batch.append(wire)
+        if batch:
+            self._link.send(("out", batch))
+
+    def _die(self, cause: str) -> None:
+        self._link.send(("dead", cause))
+        super()._die(cause)
+
+
+def _child_main(rx_fd: int, tx_fd: int) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    rx = Connection(rx_fd, writable=False)
+    link = _Link(Connection(tx_fd, readable=False))
+    engine_log = logging.getLogger("dflash_trt")
+    engine_log.addHandler(_PipeLogHandler(link))
+    engine_log.setLevel(logging.INFO)
+    engine_log.propagate = False
+    try:
+        _, llm_args = rx.recv()
+    except (EOFError, OSError):
+        return 1
+    try:
+        llm = _ChildLLM(link, **llm_args)
+    except BaseException as exc:
+        link.send(("failed", _portable(exc)))
+        return 1
+    sent = llm.get_stats()
+    link.send(("ready", os.getpid(), sent))
+    while True:
+        try:
+            if not rx.poll(STATS_PERIOD_S):
+                sent = _send_stats(llm, link, sent)
+                continue
+            msg = rx.recv()
+        except (EOFError, OSError):  # the parent is gone: nobody is left to answer
+            llm.shutdown()
+            return 0
+        kind = msg[0]
+        if kind == "submit":
+            _, key, inputs, sampling_params, streaming = msg
+            llm.next_key = key
+            try:
+                handle = llm.generate_async(inputs, sampling_params, streaming=streaming)
+            except BaseException as exc:
+                llm.by_key.pop(key, None)
+                link.send(("rejected", key, _portable(exc)))
+                continue
+            link.send(("accepted", key, handle.request_id, handle.prompt, handle.prompt_token_ids))
+        elif kind == "abort":
+            child = llm.by_key.get(msg[1])
+            if child is not None:
+                child.abort()
+        elif kind == "shutdown":
+            llm.shutdown()
+            _send_stats(llm, link, sent)
+            return 0
+
+
+def _send_stats(llm: LLM, link: _Link, sent: dict[str, Any]) -> dict[str, Any]:
+    stats, times = llm.get_stats(), llm.drain_round_times()
+    if times or stats != sent:
+        link.send(("stats", stats, times))
+    return stats
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling, else a DFlashTrtError that names it."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return DFlashTrtError(f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    status = _child_main(int(sys.argv[1]), int(sys.argv[2]))
+    # Everything the parent needs has been sent: skip the interpreter's teardown, whose native
+    # destructors (triton's bindings, at-exit hooks of the compiled rounds) only add noise here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
