@@ -186,25 +186,37 @@ class ProcessLLM:
                 msg = self._rx.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "out":
-                for key, out in msg[1]:
-                    self._push(key, out)
-            elif kind in ("accepted", "rejected"):
-                with self._lock:
-                    self._replies[msg[1]] = msg
-                    self._replied.notify_all()
-            elif kind == "stats":
-                with self._lock:
-                    self._stats = msg[1]
-                    self._round_times.extend(msg[2])
-            elif kind == "dead":
-                with self._lock:
-                    if self._dead is None:
-                        self._dead = msg[1]
-            elif kind == "log":
-                _relay_log(*msg[1:])
+            except Exception:  # a message that does not unpickle here: skip it, keep reading
+                log.exception("engine process link: could not read a message")
+                continue
+            try:
+                self._dispatch(msg)
+            except (
+                Exception
+            ):  # one bad message must not stop the reading: the child would block on a full pipe
+                log.exception("engine process link: could not handle a %r message", msg[0])
         self._link_closed()
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        """One message from the child (the wire format is in the module docstring)."""
+        kind = msg[0]
+        if kind == "out":
+            for key, out in msg[1]:
+                self._push(key, out)
+        elif kind in ("accepted", "rejected"):
+            with self._lock:
+                self._replies[msg[1]] = msg
+                self._replied.notify_all()
+        elif kind == "stats":
+            with self._lock:
+                self._stats = msg[1]
+                self._round_times.extend(msg[2])
+        elif kind == "dead":
+            with self._lock:
+                if self._dead is None:
+                    self._dead = msg[1]
+        elif kind == "log":
+            _relay_log(*msg[1:])
 
     def _push(self, key: int, out: RequestOutput) -> None:
         handle = self._live.get(key)
