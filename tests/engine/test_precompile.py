@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compiled rounds refused by their guards when made for another engine, the compile lock that keeps a
+second compiler from starting, and `dflash-trt precompile` filling the cache `serve` reads
+(engine/compile.py, engine/precompile.py). The small pair is conftest.py's."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.engine import compile as compile_mod
+from dflash_trt.engine import precompile
+from tests.engine.conftest import BATCH_1_CLASSES, small_llm, tokens
+
+
+@pytest.mark.slow
+def test_a_compiled_round_made_for_another_engine_is_refused_by_its_guards(
+    small_pair, tmp_path, monkeypatch
+) -> None:
+    """float32 rounds put where a bfloat16 engine looks for its own: their guards refuse every
+    round, which then runs eagerly with the bf16 engine's own tokens instead of running wrong code.
+    Batch 1 only: two classes to compile, not six."""
+    monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
+    monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "0")
+    with small_llm(small_pair, tmp_path, max_batch_size=1) as llm:
+        source = llm.engine.runner.rounds.directory
+        assert llm.engine.runner.rounds.compiled == BATCH_1_CLASSES
+    with small_llm(small_pair, tmp_path, max_batch_size=1, compile=False, dtype="bfloat16") as bf16:
+        want = tokens(bf16)
+        runner = bf16.engine.runner
+        runner.compile_dir = str(source.parent.parent)  # the same cache root, another fingerprint
+        runner.enable_compile()
+        target = runner.rounds.directory
+        assert target != source
+        shutil.copytree(source, target)
+        runner.freeze_compiled()
+        assert tokens(bf16) == want
+        rounds = runner.rounds
+        assert rounds.loaded >= 1 and not rounds._fns and rounds._refused  # loaded, refused, dropped
+
+
+def test_a_held_lock_keeps_a_second_compiler_from_starting(tmp_path) -> None:
+    """Two servers of one bundle: the second finds the compile lock taken and waits for the results;
+    the child's command line is checked."""
+    import fcntl
+
+    directory = tmp_path / "rounds-dir"
+    directory.mkdir()
+    with open(directory / precompile.LOCK_NAME, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        request = precompile.PrecompileRequest(
+            target_dir="unused", drafter_dir=None, spec=None, engine={}, device="cpu", dtype="float32",
+            cpu_threads=1, compile_root=str(tmp_path), eos_token_ids=(),
+        )  # fmt: skip
+        assert precompile.spawn(request, directory) is None  # somebody compiles there already
+    bad = subprocess.run(
+        [sys.executable, "-m", "dflash_trt.engine.precompile"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+@pytest.mark.slow
+def test_precompile_fills_the_cache_that_serve_reads(small_pair, tmp_path, monkeypatch) -> None:
+    """`dflash-trt precompile` (a pre-warm Job) builds the engine as the bundle's Triton model does and
+    compiles every warm-up class into <bundle>/compile-cache; a second run finds all of them there.
+    A bundle for batch 1 (two classes to compile, not six)."""
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import cli
+
+    monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
+    monkeypatch.delenv(compile_mod.CACHE_ENV, raising=False)
+    monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "1")  # the command itself turns background compiling off
+    tdir, ddir = small_pair
+    bundle = tmp_path / "bundle"
+    args = ["--target", str(tdir), "--drafter", str(ddir), "--max-batch-size", "1", "--output", str(bundle)]
+    built = CliRunner().invoke(cli, ["build", *args])
+    assert built.exit_code == 0, built.output
+
+    def precompile_cmd(where: Path) -> subprocess.CompletedProcess[str]:
+        exe = Path(sys.executable).with_name("dflash-trt")
+        return subprocess.run([str(exe), "precompile", "--bundle", str(where)], capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+
+    cold = precompile_cmd(bundle)
+    assert cold.returncode == 0, cold.stdout + cold.stderr
+    assert f"{BATCH_1_CLASSES} compiled, 0 already cached" in cold.stdout
+    saved = list((bundle / compile_mod.BUNDLE_CACHE_DIR).rglob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
+    assert len(saved) == BATCH_1_CLASSES, (saved, cold.stdout)
+    warm = precompile_cmd(bundle)
+    assert warm.returncode == 0 and f"0 compiled, {BATCH_1_CLASSES} already cached" in warm.stdout, (
+        warm.stdout + warm.stderr
+    )
+
+    missing = precompile_cmd(tmp_path / "nowhere")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --bundle="), missing.stderr
+
+    monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: False)  # a torch without aot_compile
+    old_torch = CliRunner().invoke(cli, ["precompile", "--bundle", str(bundle)])
+    assert old_torch.exit_code == 1 and "cannot save compiled rounds" in old_torch.output, old_torch.output
