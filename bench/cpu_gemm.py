@@ -87,12 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed loops per point; the best counts")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the summed tensor (GiB)")
+    p.add_argument("--stream-gb", type=float, default=2.0,
+                   help="GB of weights each timed loop streams (sets its repetitions; at least 3)")  # fmt: skip
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations' dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.shape not in SHAPES:
         p.error(f"--shape {args.shape!r}: unknown; use one of {', '.join(SHAPES)}")
     rows = positive_ints(p, "--rows", args.rows)
+    if not args.stream_gb > 0:
+        p.error(f"--stream-gb {args.stream_gb!r}: must be > 0 (GB of weights per timed loop)")
 
     import torch
 
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     del big
     config = {
         "shape": args.shape, "dtype": args.dtype, "baseline": baseline, "rows": rows, "threads": args.threads,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "stream_gb": args.stream_gb,
         "torch": torch.__version__, "python": platform.python_version(), "cpu": _cpu_name(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "read_bandwidth_gb_s": round(bandwidth, 1),
     }  # fmt: skip
@@ -125,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
             want = x.float() @ w.float().t()
-            reps = max(3, int(2e9 / (n * k * 2)))  # ~2 GB of bf16 weights streamed per timed loop
+            reps = max(
+                3, int(args.stream_gb * 1e9 / (n * k * 2))
+            )  # --stream-gb of bf16 weights per timed loop
             row: dict[str, Any] = {"weight": name, "n": n, "k": k, "rows": m}
             runs = {
                 "dflash": (functools.partial(cpu_gemm.gemm, x, ours, None), 2),

@@ -34,11 +34,11 @@ def test_toy_shape_both_kernels_every_row_count(dtype) -> None:
             "this CPU has no AVX512-BF16 (or no C compiler): dflash-trt's bf16 GEMM does not run here"
         )
     proc = _run("--shape", "toy", "--rows", "1,3", "--threads", "1", "--bandwidth-gib", "0.01",
-                "--repeats", "1", "--dtype", dtype, "--json")  # fmt: skip
+                "--repeats", "1", "--stream-gb", "0.05", "--dtype", dtype, "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)
     assert r["config"]["shape"] == "toy" and r["config"]["read_bandwidth_gb_s"] > 0
-    assert r["config"]["dtype"] == dtype and r["config"]["baseline"]
+    assert r["config"]["dtype"] == dtype and r["config"]["baseline"] and r["config"]["stream_gb"] == 0.05
     names = [p["weight"] for p in r["points"]]
     assert names == [w for w in ("qkv", "o_proj", "gate_up", "down_proj", "lm_head") for _ in (1, 3)]
     for p in r["points"]:
@@ -53,3 +53,5 @@ def test_toy_shape_both_kernels_every_row_count(dtype) -> None:
 def test_bad_rows_exit_2_naming_the_option() -> None:
     proc = _run("--rows", "1,x")
     assert proc.returncode == 2 and "--rows '1,x'" in proc.stderr
+    proc = _run("--stream-gb", "0")
+    assert proc.returncode == 2 and "--stream-gb 0.0: must be > 0" in proc.stderr
