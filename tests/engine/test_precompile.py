@@ -17,22 +17,57 @@ from dflash_trt.engine import precompile
 from tests.engine.conftest import BATCH_1_CLASSES, small_llm, tokens
 
 
+def _precompile(where: Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("dflash-trt")
+    return subprocess.run([str(exe), "precompile", "--bundle", str(where)], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def precompiled(small_pair, tmp_path_factory):
+    """A bundle of the small pair for batch 1 (two classes to compile, not six) and the output of its
+    first `dflash-trt precompile`, from a cold cache: the rounds both tests below use."""
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import cli
+
+    tdir, ddir = small_pair
+    bundle = tmp_path_factory.mktemp("precompiled") / "bundle"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(compile_mod.COMPILE_ENV, "1")
+        mp.delenv(compile_mod.CACHE_ENV, raising=False)
+        mp.setenv(compile_mod.BACKGROUND_ENV, "1")  # the command itself turns background compiling off
+        args = [
+            "--target",
+            str(tdir),
+            "--drafter",
+            str(ddir),
+            "--max-batch-size",
+            "1",
+            "--output",
+            str(bundle),
+        ]
+        built = CliRunner().invoke(cli, ["build", *args])
+        assert built.exit_code == 0, built.output
+        return bundle, _precompile(bundle)
+
+
 @pytest.mark.slow
 def test_a_compiled_round_made_for_another_engine_is_refused_by_its_guards(
-    small_pair, tmp_path, monkeypatch
+    small_pair, precompiled, tmp_path
 ) -> None:
-    """float32 rounds put where a bfloat16 engine looks for its own: their guards refuse every
-    round, which then runs eagerly with the bf16 engine's own tokens instead of running wrong code.
-    Batch 1 only: two classes to compile, not six."""
-    monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
-    monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "0")
-    with small_llm(small_pair, tmp_path, max_batch_size=1) as llm:
-        source = llm.engine.runner.rounds.directory
-        assert llm.engine.runner.rounds.compiled == BATCH_1_CLASSES
+    """The bundle's compiled rounds (float32 for the batch-1 bundle) put where a bfloat16 engine of
+    other sizes looks for its own: their guards refuse every round, which then runs eagerly with the
+    bf16 engine's own tokens instead of running wrong code."""
+    bundle, cold = precompiled
+    assert cold.returncode == 0, cold.stdout + cold.stderr
+    saved = sorted((bundle / compile_mod.BUNDLE_CACHE_DIR).rglob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
+    assert len(saved) == BATCH_1_CLASSES, saved
+    source = saved[0].parent
     with small_llm(small_pair, tmp_path, max_batch_size=1, compile=False, dtype="bfloat16") as bf16:
         want = tokens(bf16)
         runner = bf16.engine.runner
-        runner.compile_dir = str(source.parent.parent)  # the same cache root, another fingerprint
+        runner.compile_dir = str(tmp_path / "cache")  # a cache of its own: the bundle's stays as it is
         runner.enable_compile()
         target = runner.rounds.directory
         assert target != source
@@ -64,39 +99,26 @@ def test_a_held_lock_keeps_a_second_compiler_from_starting(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_precompile_fills_the_cache_that_serve_reads(small_pair, tmp_path, monkeypatch) -> None:
+def test_precompile_fills_the_cache_that_serve_reads(precompiled, tmp_path, monkeypatch) -> None:
     """`dflash-trt precompile` (a pre-warm Job) builds the engine as the bundle's Triton model does and
-    compiles every warm-up class into <bundle>/compile-cache; a second run finds all of them there.
-    A bundle for batch 1 (two classes to compile, not six)."""
+    compiles every warm-up class into <bundle>/compile-cache; a second run finds all of them there."""
     from click.testing import CliRunner
 
     from dflash_trt.cli import cli
 
-    monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
-    monkeypatch.delenv(compile_mod.CACHE_ENV, raising=False)
-    monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "1")  # the command itself turns background compiling off
-    tdir, ddir = small_pair
-    bundle = tmp_path / "bundle"
-    args = ["--target", str(tdir), "--drafter", str(ddir), "--max-batch-size", "1", "--output", str(bundle)]
-    built = CliRunner().invoke(cli, ["build", *args])
-    assert built.exit_code == 0, built.output
-
-    def precompile_cmd(where: Path) -> subprocess.CompletedProcess[str]:
-        exe = Path(sys.executable).with_name("dflash-trt")
-        return subprocess.run([str(exe), "precompile", "--bundle", str(where)], capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
-
-    cold = precompile_cmd(bundle)
+    bundle, cold = precompiled
     assert cold.returncode == 0, cold.stdout + cold.stderr
     assert f"{BATCH_1_CLASSES} compiled, 0 already cached" in cold.stdout
     saved = list((bundle / compile_mod.BUNDLE_CACHE_DIR).rglob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
     assert len(saved) == BATCH_1_CLASSES, (saved, cold.stdout)
-    warm = precompile_cmd(bundle)
+    monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
+    monkeypatch.delenv(compile_mod.CACHE_ENV, raising=False)
+    warm = _precompile(bundle)
     assert warm.returncode == 0 and f"0 compiled, {BATCH_1_CLASSES} already cached" in warm.stdout, (
         warm.stdout + warm.stderr
     )
 
-    missing = precompile_cmd(tmp_path / "nowhere")
+    missing = _precompile(tmp_path / "nowhere")
     assert missing.returncode == 2 and missing.stderr.startswith("error: --bundle="), missing.stderr
 
     monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: False)  # a torch without aot_compile
