@@ -7,7 +7,9 @@ in-process, at a fixed concurrency, plus the server's start time.
 Both sides run the same requests (greedy, ignore_eos, fixed output length) from `concurrency`
 closed-loop workers. In-process: threads calling LLM.generate. Triton: the same number of HTTP
 clients calling /generate (non-streaming) and, separately, gRPC streaming clients. Overhead =
-1 - triton_rps / inprocess_rps. Prints its configuration next to its numbers.
+1 - triton_rps / inprocess_rps. Prints its configuration next to its numbers. `--engine-in-stub` serves
+with the engine on a thread of the Triton stub (triton_config.engine_process: false), to compare with
+the default layout, the engine in a process of its own.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-draft", action="store_true")
+    ap.add_argument("--engine-in-stub", action="store_true",
+                    help="serve with triton_config.engine_process: false (the engine on a thread of the "
+                         "Triton stub) instead of the default, the engine in a process of its own")  # fmt: skip
     args = ap.parse_args()
 
     import httpx
@@ -84,6 +89,12 @@ def main() -> int:
         if not args.no_draft:
             spec["speculative_model"] = str(bundle / spec["speculative_model"])
             llm_args["speculative_config"] = spec
+
+        if args.engine_in_stub:
+            model_yaml = bundle / "model_repository/tensorrt_llm/1/model.yaml"
+            cfg = yaml.safe_load(model_yaml.read_text())
+            cfg["triton_config"]["engine_process"] = False
+            model_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
         # in-process
         llm = LLM(**llm_args)
@@ -152,6 +163,7 @@ def main() -> int:
         "config": {
             "target": args.target,
             "drafter": not args.no_draft,
+            "engine_process": not args.engine_in_stub,
             "concurrency": args.concurrency,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
