@@ -6,8 +6,10 @@ in-process, at a fixed concurrency, plus the server's start time.
 
 Both sides run the same requests (greedy, ignore_eos, fixed output length) from `concurrency`
 closed-loop workers. In-process: threads calling LLM.generate. Triton: the same number of HTTP
-clients calling /generate (non-streaming) and, separately, gRPC streaming clients. Overhead =
-1 - triton_rps / inprocess_rps. Prints its configuration next to its numbers. `--engine-in-stub` serves
+clients calling /generate (non-streaming) and, separately, gRPC streaming clients. The three phases
+alternate, `--repeats` times, with the in-process engine and the server both up; overhead = 1 -
+triton_rps / inprocess_rps within each repeat, and the medians are the headline. Prints its
+configuration next to its numbers. `--engine-in-stub` serves
 with the engine on a thread of the Triton stub (triton_config.engine_process: false), to compare with
 the default layout, the engine in a process of its own.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -64,7 +67,11 @@ def main() -> int:
     ap.add_argument("--engine-in-stub", action="store_true",
                     help="serve with triton_config.engine_process: false (the engine on a thread of the "
                          "Triton stub) instead of the default, the engine in a process of its own")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of the three phases (in process, HTTP, gRPC), interleaved (default 3)")  # fmt: skip
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: must be >= 1")
 
     import httpx
     import numpy as np
@@ -96,12 +103,10 @@ def main() -> int:
             cfg["triton_config"]["engine_process"] = False
             model_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
-        # in-process
+        # in process: the same engine, alive next to the server, so that the phases can alternate
         llm = LLM(**llm_args)
         sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(prompts[:2], sp)  # warm-up
-        inproc_s = closed_loop(args.requests, args.concurrency, lambda i: llm.generate(prompts[i], sp))
-        llm.shutdown()
 
         # Triton
         repo = bundle / "model_repository"
@@ -125,7 +130,6 @@ def main() -> int:
                 r.raise_for_status()
 
             http_req(0)
-            http_s = closed_loop(args.requests, args.concurrency, http_req)
 
             def grpc_req(i: int) -> None:
                 done = threading.Event()
@@ -155,9 +159,16 @@ def main() -> int:
                 if err:
                     raise RuntimeError(err[0])
 
-            grpc_s = closed_loop(args.requests, args.concurrency, grpc_req)
+            # The phases alternate, each run `repeats` times: this host's speed moves by ~20 % within a
+            # minute, and run one after the other the three phases measured that swing as overhead.
+            times: dict[str, list[float]] = {"inprocess": [], "http": [], "grpc": []}
+            phases = {"inprocess": lambda i: llm.generate(prompts[i], sp), "http": http_req, "grpc": grpc_req}
+            for _ in range(args.repeats):
+                for name, fn in phases.items():
+                    times[name].append(closed_loop(args.requests, args.concurrency, fn))
         finally:
             srv.stop()
+            llm.shutdown()
 
     result = {
         "config": {
@@ -177,12 +188,27 @@ def main() -> int:
         },
         "server_ready_s": round(ready_s, 2),
         "server_start_to_ready_s": round(start_s, 2),
-        "inprocess_rps": round(args.requests / inproc_s, 2),
-        "triton_http_rps": round(args.requests / http_s, 2),
-        "triton_grpc_stream_rps": round(args.requests / grpc_s, 2),
-        "overhead_http": round(1 - inproc_s / http_s, 4),
-        "overhead_grpc_stream": round(1 - inproc_s / grpc_s, 4),
+        "repeats": args.repeats,
+        # per repeat: requests/s of each phase, and each Triton phase's overhead against the in-process
+        # phase of the same repeat; the headline numbers are their medians
+        "inprocess_rps_each": [round(args.requests / t, 2) for t in times["inprocess"]],
+        "triton_http_rps_each": [round(args.requests / t, 2) for t in times["http"]],
+        "triton_grpc_stream_rps_each": [round(args.requests / t, 2) for t in times["grpc"]],
+        "overhead_http_each": [
+            round(1 - a / b, 4) for a, b in zip(times["inprocess"], times["http"], strict=True)
+        ],
+        "overhead_grpc_stream_each": [
+            round(1 - a / b, 4) for a, b in zip(times["inprocess"], times["grpc"], strict=True)
+        ],
     }
+    for key in (
+        "inprocess_rps",
+        "triton_http_rps",
+        "triton_grpc_stream_rps",
+        "overhead_http",
+        "overhead_grpc_stream",
+    ):
+        result[key] = round(statistics.median(result[f"{key}_each"]), 4)
     print(json.dumps(result, indent=2))
     return 0
 
