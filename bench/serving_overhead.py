@@ -9,9 +9,9 @@ closed-loop workers. In-process: threads calling LLM.generate. Triton: the same 
 clients calling /generate (non-streaming) and, separately, gRPC streaming clients. The three phases
 alternate, `--repeats` times, with the in-process engine and the server both up; overhead = 1 -
 triton_rps / inprocess_rps within each repeat, and the medians are the headline. Prints its
-configuration next to its numbers. `--engine-in-stub` serves
-with the engine on a thread of the Triton stub (triton_config.engine_process: false), to compare with
-the default layout, the engine in a process of its own.
+configuration next to its numbers. `--engine-in-stub` serves with the engine on a thread of the
+Triton stub (triton_config.engine_process: false), to compare with the default layout, the engine in
+a process of its own.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 from dflash_trt.api.handle import GenerationHandle
 from dflash_trt.api.llm import LLM
@@ -366,8 +366,7 @@ class _ChildLLM(LLM):
 
     def _publish(self, outputs: list[tuple[GenerationHandle, RequestOutput]]) -> None:
         batch = []
-        for handle, out in outputs:
-            assert isinstance(handle, _ChildHandle)
+        for handle, out in cast("list[tuple[_ChildHandle, RequestOutput]]", outputs):
             if out.finished:
                 self.by_key.pop(handle.key, None)
             wire = handle.forward(out)

@@ -387,7 +387,7 @@ class TensorRTLLM:
 
 
 def _open_engine(
-    kind: str, cfg: dict[str, Any], loop: asyncio.AbstractEventLoop, *, engine_process: bool = True
+    kind: str, cfg: dict[str, Any], loop: asyncio.AbstractEventLoop, *, engine_process: bool
 ) -> tuple[ServingLLM, Any]:
     """The engine named by triton_config.engine and its SamplingParams class. The embedded engine runs
     in a process of its own (dflash_trt/api/process.py) unless triton_config.engine_process is false;
