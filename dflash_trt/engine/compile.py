@@ -11,7 +11,10 @@ the batch and the context's page width are dynamic inside a class (one graph ser
 two or more and every context length; a batch of one has a graph of its own). `LLMEngine.warm_up`
 makes a round of every usual class before the engine reports ready; after it a class without a
 graph runs eagerly rather than stalling serving to compile (`ModelRunner.freeze_compiled`).
-Requests with top-k/top-p filtering are such a class today.
+Requests with top-k/top-p filtering are such a class today. The prefill pass (the target over prompt
+chunks, the drafter's context injection: `ModelRunner._prefill_core`) is compiled too, in two more
+classes, batch of one or more, with the chunk length and page width dynamic. The warm-up compiles
+each in its last batch of that size, so that most of the full block's rounds come first.
 
 Ahead-of-time artifacts (`RoundCache`). Each class is compiled with
 `torch.compile(fullgraph=True).aot_compile` and saved, so that a later start loads it in seconds
@@ -30,6 +33,7 @@ $DFLASH_TRT_COMPILE_CACHE, or `~/.cache/dflash-trt/compile` for the library.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -130,6 +134,7 @@ def point_inductor_at(directory: str | os.PathLike[str]) -> None:
 
 
 ROUND_SOURCES = ("layers", "models", "spec", "plugins", "engine")  # what a compiled round is made of
+ROUND, PREFILL = "round", "prefill"  # the kinds of compiled code: a decode round, a prefill pass
 ROUNDS_DIR = "rounds"
 REFRESH_S = 1.0  # how often a serving engine looks for rounds compiled by another process
 BACKGROUND_ENV = "DFLASH_TRT_COMPILE_BACKGROUND"  # "0": compile before ready instead (engine/precompile.py)
@@ -164,6 +169,15 @@ def round_fingerprint(facts: dict[str, Any]) -> str:
     return digest.hexdigest()[:16]
 
 
+@dataclasses.dataclass(frozen=True)
+class Core:
+    """Code that `RoundCache` compiles: a bound method of the runner, pure tensor code, and the
+    sizes that vary inside one of its classes besides the batch: (argument index, dimension)."""
+
+    fn: Callable[..., Any]
+    dynamic: tuple[tuple[int, int], ...]
+
+
 class RoundCache:
     """The runner's compiled rounds, one per shape class, kept in memory and (with a directory) on disk.
 
@@ -173,8 +187,8 @@ class RoundCache:
     `fn(runner, *args, **kwargs)`; `None` means: run this round eagerly.
     """
 
-    def __init__(self, round_core: Callable[..., Any], directory: Path | None) -> None:
-        self._core = round_core  # the runner's bound _round_core
+    def __init__(self, cores: dict[str, Core], directory: Path | None) -> None:
+        self._cores = cores  # ROUND: the runner's bound _round_core; PREFILL: its _prefill_core
         self.directory = directory
         self._fns: dict[tuple[Any, ...], Any] = {}
         self._refused: set[tuple[Any, ...]] = set()  # classes whose compilation failed: eager from now on
@@ -189,16 +203,24 @@ class RoundCache:
         return {"directory": self.directory}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(lambda: None, state["directory"])  # type: ignore[misc]
+        self.__init__({}, state["directory"])  # type: ignore[misc]
 
     @staticmethod
-    def class_key(kwargs: dict[str, Any], single: bool) -> tuple[Any, ...]:
-        """A shape class: the round's static keyword arguments, and whether the batch has one sequence."""
-        return (tuple(sorted(kwargs.items())), single)
+    def class_key(kwargs: dict[str, Any], single: bool, kind: str = ROUND) -> tuple[Any, ...]:
+        """A shape class: what is compiled (ROUND or PREFILL), its static keyword arguments, and
+        whether the batch has one sequence (a class of its own: a compiled graph whose batch is
+        symbolic guards on a batch of two or more)."""
+        return (kind, tuple(sorted(kwargs.items())), single)
 
     @classmethod
-    def key(cls, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        return cls.class_key(kwargs, args[0].shape[0] == 1)
+    def key(
+        cls, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any], kind: str = ROUND
+    ) -> tuple[Any, ...]:
+        return cls.class_key(kwargs, args[0].shape[0] == 1, kind)
+
+    def core(self, kind: str) -> Callable[..., Any]:
+        """The eager code of `kind` (what runs where no compiled code covers a call)."""
+        return self._cores[kind].fn
 
     def on_disk(self, keys: list[tuple[Any, ...]]) -> bool:
         """Whether every class of `keys` has a saved compilation."""
@@ -237,34 +259,51 @@ class RoundCache:
     def _path(self, key: tuple[Any, ...]) -> Path | None:
         if self.directory is None:
             return None
-        items, single = key
-        parts = []
+        kind, items, single = key
+        parts = [] if kind == ROUND else [kind]
         for name, value in items:  # e.g. budget=0, flags=(True, True, False), g=15 -> budget0-flags110-g15
             if isinstance(value, tuple):
                 value = "".join("1" if v else "0" for v in value)
             parts.append(f"{name}{value}")
         return self.directory / f"{'-'.join(parts)}-{'b1' if single else 'bN'}{ARTIFACT_SUFFIX}"
 
-    def get(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
-        key = self.key(args, kwargs)
+    def get(
+        self,
+        args: tuple[torch.Tensor, ...],
+        kwargs: dict[str, Any],
+        kind: str = ROUND,
+        *,
+        compile: bool = True,
+    ) -> Any:
+        """compile=False: only what is in memory or on disk (the warm-up compiles rounds first)."""
+        key = self.key(args, kwargs, kind)
         fn = self._fns.get(key)
         if fn is not None or key in self._refused:
             return fn
         fn = self._load(key)
-        if fn is None and not self.frozen:
-            fn = self._compile(key, args, kwargs)
+        if fn is None and compile and not self.frozen:
+            try:
+                fn = self._compile(key, args, kwargs)
+            except Exception as exc:
+                if kind == ROUND:
+                    raise  # the warm-up's caller serves eagerly (api/llm.py)
+                # the other kinds are worth less than the rounds: only this one runs eagerly
+                log.warning("compiling the %s failed (%s: %s); it runs eagerly", kind, type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
+                self._refused.add(key)
+                return None
         if fn is not None:
             self._fns[key] = fn
         return fn
 
-    def loaded_fn(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
+    def loaded_fn(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any], kind: str = ROUND) -> Any:
         """The class's compiled round if it is in memory now (nothing is loaded or compiled)."""
-        return self._fns.get(self.key(args, kwargs))
+        return self._fns.get(self.key(args, kwargs, kind))
 
-    def forget(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> None:
+    def forget(self, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any], kind: str = ROUND) -> None:
         """A class whose compiled round refused these arguments (its guards failed): compile it again
         on its next round, unless frozen."""
-        key = self.key(args, kwargs)
+        key = self.key(args, kwargs, kind)
         self._fns.pop(key, None)
         path = self._path(key)
         if path is not None:
@@ -281,7 +320,7 @@ class RoundCache:
         t0 = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                fn = torch.compiler.load_compiled_function(f, f_globals=self._core.__globals__)
+                fn = torch.compiler.load_compiled_function(f, f_globals=self._cores[key[0]].fn.__globals__)
         except Exception as exc:  # a stale or damaged artifact is compiled again, never trusted
             log.warning("compiled round %s could not be loaded (%s); compiling it again", path.name, exc)
             path.unlink(missing_ok=True)
@@ -294,18 +333,19 @@ class RoundCache:
         import torch
 
         t0 = time.perf_counter()
-        single = key[1]
-        for a in args:  # the batch is dynamic in a class of two or more; the context's page width always
-            if not single:
+        core = self._cores[key[0]]
+        for a in args:  # the batch is dynamic in a class that is not a batch of one
+            if not key[2]:
                 torch._dynamo.mark_dynamic(a, 0)
-        torch._dynamo.mark_dynamic(args[3], 1)
+        for i, dim in core.dynamic:
+            torch._dynamo.mark_dynamic(args[i], dim)
         if not saves_compiled_rounds():  # an older torch: compiled in memory, for this process only
             # Only the marked sizes are dynamic (dynamic=None, and no automatic dynamic, which keys on
             # the function's name and would turn the draft length g symbolic once a second class
             # compiles): with the block's length symbolic, inductor in torch 2.11 fails on the
             # round's slices of it.
             with compile_rules(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                fn = _InMemoryRound(torch.compile(_own_code(self._core), fullgraph=True, dynamic=None))
+                fn = _InMemoryRound(torch.compile(_own_code(core.fn), fullgraph=True, dynamic=None))
                 fn(None, *args, **kwargs)  # compile now, not in the first round that serves
             self.compiled += 1
             log.info("compiled round %s in %.1f s (not saved: this torch has no aot_compile)", key,
@@ -313,7 +353,7 @@ class RoundCache:
             return fn
         with compile_rules():
             compiled: Any = torch.compile(
-                self._core, fullgraph=True, dynamic=True, options={"guard_filter_fn": _guard_filter}
+                core.fn, fullgraph=True, dynamic=True, options={"guard_filter_fn": _guard_filter}
             )
             fn = compiled.aot_compile((args, kwargs))
         self.compiled += 1

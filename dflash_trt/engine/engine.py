@@ -375,17 +375,27 @@ class LLMEngine:
         return (self._draft_len(batch_size),)
 
     def warm_up_classes(self) -> list[tuple[Any, ...]]:
-        """The compiled rounds' shape classes (engine/compile.py) that `warm_up` runs."""
-        from dflash_trt.engine.compile import RoundCache
+        """The compiled classes (engine/compile.py) that `warm_up` runs: its rounds' shape classes and
+        the prefill's, in the order it compiles them."""
+        from dflash_trt.engine.compile import PREFILL, RoundCache
 
         classes = []
-        for w in self._warm_up_variants():
+        variants = self._warm_up_variants()
+        for n, w in enumerate(variants):
             req = self._make_request([1, 1], w.params, owner=None)
             shape = RoundShape(w.g, w.budget, round_flags([req] * w.batch))
-            key = RoundCache.class_key(shape.kwargs(), w.batch == 1)
-            if key not in classes:
-                classes.append(key)
+            keys = [RoundCache.class_key(shape.kwargs(), w.batch == 1)]
+            if self._compiles_prefill(variants, n):
+                keys.append(RoundCache.class_key({}, w.batch == 1, PREFILL))
+            classes += [k for k in keys if k not in classes]
         return classes
+
+    @staticmethod
+    def _compiles_prefill(variants: list[WarmUp], n: int) -> bool:
+        """Whether the warm-up's batch `n` compiles the prefill of its batch size: the last batch of
+        each size does (before it, prompts are prefilled eagerly unless the prefill is already
+        compiled), so that a background compiler delivers the rounds, which serving runs most, first."""
+        return all(w.batch != variants[n].batch for w in variants[n + 1 :])
 
     def warm_up(self) -> float:
         """Run throwaway requests to completion so that what is built on first use (the compiled
@@ -397,6 +407,7 @@ class LLMEngine:
         try:
             for n, w in enumerate(variants, 1):
                 t1 = time.perf_counter()
+                self.runner.compile_prefill = self._compiles_prefill(variants, n - 1)
                 self.budgets.override = w.budget
                 if self.draft_lens is not None:
                     self.draft_lens.override = w.g
@@ -408,6 +419,7 @@ class LLMEngine:
                          w.batch, w.g, f", tree budget {w.budget}" if self._trees else "",
                          time.perf_counter() - t1)  # fmt: skip
         finally:
+            self.runner.compile_prefill = True
             self.budgets.override = None
             self.budgets.reset()  # warm-up rounds compile: their costs would mislead the choice
             if self.draft_lens is not None:

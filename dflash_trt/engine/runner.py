@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash_trt.engine.compile import PREFILL, ROUND, Core, RoundCache
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
 from dflash_trt.plugins import default_enabled
 from dflash_trt.spec.accept import greedy_accept, rejection_accept, rejection_accept_candidates
@@ -64,7 +65,6 @@ from dflash_trt.spec.tree import (
 )
 
 if TYPE_CHECKING:
-    from dflash_trt.engine.compile import RoundCache
     from dflash_trt.engine.request import Request
     from dflash_trt.models.decoder import NativeTarget
     from dflash_trt.models.drafter import DFlashDrafter
@@ -220,6 +220,8 @@ class ModelRunner:
                 self._walk = drafting.selector_walk
                 self._candidate_accept = drafting.rejection_accept_candidates
         self.rounds: RoundCache | None = None  # compiled rounds per shape class, when compiling
+        # whether a prefill without a compiled pass compiles one (the warm-up compiles the rounds first)
+        self.compile_prefill = True
         self.compile_dir = compile_dir
         if compile:
             self.enable_compile()
@@ -247,12 +249,17 @@ class ModelRunner:
     def enable_compile(self) -> None:
         """Run rounds compiled from now on (engine/compile.py): the first round of each shape class
         loads its saved compilation or compiles it; `LLMEngine.warm_up` does that before traffic."""
-        from dflash_trt.engine.compile import ROUNDS_DIR, RoundCache, round_fingerprint
+        from dflash_trt.engine.compile import ROUNDS_DIR, round_fingerprint
 
         directory = None
         if self.compile_dir is not None:
             directory = Path(self.compile_dir) / ROUNDS_DIR / round_fingerprint(self._compile_facts())
-        self.rounds = RoundCache(self._round_core, directory)
+        cores = {
+            ROUND: Core(self._round_core, dynamic=((3, 1),)),  # the tables' page width
+            # the chunk's length (ids, pos, valid) and the tables' page width
+            PREFILL: Core(self._prefill_core, dynamic=((0, 1), (1, 1), (2, 1), (3, 1))),
+        }
+        self.rounds = RoundCache(cores, directory)
 
     def _compile_facts(self) -> dict[str, Any]:
         """What a compiled round depends on besides the source code (engine/compile.py)."""
@@ -304,7 +311,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         bs = len(reqs)
-        t = max(hi - lo for lo, hi in chunks)
+        t = max(2, *(hi - lo for lo, hi in chunks))  # a compiled prefill guards on chunks of 2 or more
         dev = self.device
         ids = torch.zeros(bs, t, dtype=torch.long)
         pos = torch.zeros(bs, t, dtype=torch.long)
@@ -314,28 +321,14 @@ class ModelRunner:
             pos[i, : hi - lo] = torch.arange(lo, hi)
             pos[i, hi - lo :] = hi  # padding rows sit after the chunk, masked as keys
             valid[i, : hi - lo] = True
-        ids, pos, valid = ids.to(dev), pos.to(dev), valid.to(dev)
         width = pages_for(max(hi for _, hi in chunks), self.page_size)
-        tables = self._tables(reqs, width)
-        kv_slots = torch.where(
-            valid, slot_mapping(tables, pos.clamp(max=width * self.page_size - 1), self.page_size), 0
-        )
         seq_lens = torch.tensor([hi for _, hi in chunks], device=dev)
         last = torch.tensor([hi - lo - 1 for lo, hi in chunks], device=dev)
-        logits, taps = self.target(
-            ids,
-            pos,
-            seq_lens,
-            self.target_cache,
-            kv_slots,
-            context_index(tables, self.page_size),
-            tap_layers=self.tap_layers,
-            logits_index=last,
-        )  # logits [bs, V]; taps [bs, t, K*D]
-        if self.drafter is not None and taps is not None:
-            assert self.draft_cache is not None
-            drafting = self.plugins or self.drafter
-            drafting.inject_context(self.draft_cache, taps[valid], pos[valid], kv_slots[valid])
+        args = (ids.to(dev), pos.to(dev), valid.to(dev), self._tables(reqs, width), seq_lens, last)
+        if self.rounds is None:
+            logits = self._prefill_core(*args)
+        else:
+            logits = self._compiled_round(self.rounds, args, {}, kind=PREFILL, compile=self.compile_prefill)
         done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(reqs, chunks)]
         firsts: list[int | None] = [None] * bs
         if any(done):
@@ -355,6 +348,38 @@ class ModelRunner:
         self._sync()
         self.times.prefill_s += time.perf_counter() - t0
         return firsts
+
+    def _prefill_core(
+        self,
+        ids: torch.Tensor,  # [bs, t] the chunks' tokens, padded
+        pos: torch.Tensor,  # [bs, t] their positions (padding: just past the chunk)
+        valid: torch.Tensor,  # [bs, t] bool: real tokens
+        tables: torch.Tensor,  # [bs, W] block tables
+        seq_lens: torch.Tensor,  # [bs] tokens in the cache after the chunk
+        last: torch.Tensor,  # [bs] index of each chunk's last token
+    ) -> torch.Tensor:
+        """The prompt chunks' pass: writes the target's K/V, injects the chunks' context into the
+        draft cache and returns the logits at each chunk's last token [bs, V]. Pure tensor code with
+        no data-dependent shapes, so that it compiles (for every chunk length in one graph):
+        padding tokens write their K/V, target and draft, to slot 0 of the padding page, which no
+        sequence reads."""
+        cap = tables.shape[1] * self.page_size - 1
+        kv_slots = torch.where(valid, slot_mapping(tables, pos.clamp(max=cap), self.page_size), 0)
+        logits, taps = self.target(
+            ids,
+            pos,
+            seq_lens,
+            self.target_cache,
+            kv_slots,
+            context_index(tables, self.page_size),
+            tap_layers=self.tap_layers,
+            logits_index=last,
+        )  # logits [bs, V]; taps [bs, t, K*D]
+        if self.drafter is not None and taps is not None:
+            assert self.draft_cache is not None
+            drafting = self.plugins or self.drafter
+            drafting.inject_context(self.draft_cache, taps.flatten(0, 1), pos.flatten(), kv_slots.flatten())
+        return logits
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -421,16 +446,25 @@ class ModelRunner:
             return self._round_core(*args, **shape.kwargs())
         return self._compiled_round(self.rounds, args, shape.kwargs())
 
-    def _compiled_round(self, rounds: RoundCache, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]):
-        """The round through its shape class's compiled code, or eagerly where there is none. A
-        loaded compilation whose guards refuse the arguments (made for other sizes) is never run: it
-        is dropped and compiled again (before the engine is frozen) or the round runs eagerly."""
+    def _compiled_round(
+        self,
+        rounds: RoundCache,
+        args: tuple[torch.Tensor, ...],
+        kwargs: dict[str, Any],
+        kind: str = ROUND,
+        *,
+        compile: bool = True,
+    ):
+        """The round (or, kind="prefill", the prefill pass) through its shape class's compiled code,
+        or eagerly where there is none. A loaded compilation whose guards refuse the arguments (made
+        for other sizes) is never run: it is dropped and compiled again (before the engine is frozen)
+        or the call runs eagerly. compile=False: load a saved compilation, never compile one."""
         from dflash_trt.engine.compile import is_guard_failure, shape_rules
 
         rounds.refresh()
         with shape_rules():
             for _ in range(2):
-                fn = rounds.get(args, kwargs)
+                fn = rounds.get(args, kwargs, kind, compile=compile)
                 if fn is None:
                     break
                 try:
@@ -438,9 +472,11 @@ class ModelRunner:
                 except RuntimeError as exc:
                     if not is_guard_failure(exc):
                         raise
-                    log.warning("a compiled round refused this batch (%s)", str(exc).splitlines()[-1][:200])
-                    rounds.forget(args, kwargs)
-        return self._round_core(*args, **kwargs)
+                    log.warning(
+                        "a compiled %s refused this batch (%s)", kind, str(exc).splitlines()[-1][:200]
+                    )
+                    rounds.forget(args, kwargs, kind)
+        return rounds.core(kind)(*args, **kwargs)
 
     @staticmethod
     def _round_args(t: dict[str, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:

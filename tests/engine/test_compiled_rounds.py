@@ -18,7 +18,7 @@ from dflash_trt.engine import compile as compile_mod
 from dflash_trt.engine import precompile
 from tests.engine.conftest import PROMPTS, SP, small_llm, tokens
 
-CLASSES = 6  # the warm-up's shape classes of the small pair (conftest.py)
+CLASSES = 8  # the warm-up's shape classes of the small pair (conftest.py), the two prefill classes included
 
 
 class FakeChild:
@@ -51,6 +51,8 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
         assert llm.drain_round_times() == []  # warm-up rounds are not reported as traffic
         assert tokens(llm) == want
         alone = llm.generate(PROMPTS[1], SP).outputs[0].token_ids
+        # prompts of other lengths than the warm-up's, alone and batched: no compiled prefill refused them
+        assert not rounds._refused and {k[0] for k in rounds._fns} == {compile_mod.ROUND, compile_mod.PREFILL}
         # a class the warm-up did not compile (top-k filtering) runs eagerly: serving never stalls
         filtered = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.8, top_k=5, seed=1))
         assert all(len(o.outputs[0].token_ids) == 20 for o in filtered)
@@ -100,6 +102,6 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
         assert tokens(cold) == want  # eager meanwhile
         children[0].finish()
         assert tokens(cold) == want  # the rounds of these batches now run compiled
-        greedy = [k for k in rounds._fns if dict(k[0])["flags"][0]]
+        greedy = [k for k in rounds._fns if k[0] == compile_mod.ROUND and dict(k[1])["flags"][0]]
         assert rounds.loaded == CLASSES and greedy, rounds._fns
         assert rounds.compiled == 0  # nothing was compiled in the serving process

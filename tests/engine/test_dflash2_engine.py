@@ -201,6 +201,7 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
         config=EngineConfig(max_batch_size=2, max_seq_len=64), device=torch.device("cpu"), dtype=torch.float32,
     )  # fmt: skip
     engine.runner.enable_compile()
+    engine.runner.compile_prefill = False  # this test compiles rounds (the prefill: test_compiled_rounds)
     engine.runner.static_rounds, engine.runner.graph_batch_sizes = True, (1, 2)
     graphs = counters["stats"]["unique_graphs"]
     jobs = [([3, 1, 4, 1, 5], SamplingParams(max_tokens=24, ignore_eos=True)),

@@ -119,4 +119,6 @@ def test_warm_up_runs_every_draft_length_and_leaves_no_measurement(pair):  # noq
     assert seen == expected
     policy = engine.draft_lens
     assert policy is not None and policy.override is None and policy.tau(k) is None
-    assert policy.round_seconds(k, 2) is None and len(engine.warm_up_classes()) == len(expected)
+    assert (
+        policy.round_seconds(k, 2) is None and len(engine.warm_up_classes()) == len(expected) + 2
+    )  # + prefill, batch 1 and 2+
