@@ -376,7 +376,7 @@ class LLMEngine:
 
     def warm_up_classes(self) -> list[tuple[Any, ...]]:
         """The compiled classes (engine/compile.py) that `warm_up` runs: its rounds' shape classes and
-        the prefill's, in the order it compiles them."""
+        the prefill's (a prefill class is compiled in its batch size's last warm-up batch)."""
         from dflash_trt.engine.compile import PREFILL, RoundCache
 
         classes = []
