@@ -21,10 +21,10 @@ Ahead-of-time artifacts (`RoundCache`). Each class is compiled with
 instead of tracing and compiling it again (tracing alone took ~40 s for the four classes of `tiny`
 on 2 CPU cores). Artifacts live in `<root>/<machine key>/rounds/<fingerprint>/`: the machine key
 names the torch version and the CPU's vector ISA (or the GPU model); the fingerprint covers every
-input of the compiled code: dflash_trt's own model and engine sources, both models' configurations,
-dtype, device, cache and batch sizes (`round_fingerprint`). An artifact whose guards refuse the
-first round it sees is compiled again and replaced. Inductor's own FX-graph and kernel caches sit
-beside them (a cold class then compiles faster).
+input of the compiled code: dflash_trt's own model and engine code (docstrings, comments and layout
+do not count), both models' configurations, dtype, device, cache and batch sizes (`round_fingerprint`).
+An artifact whose guards refuse the first round it sees is compiled again and replaced. Inductor's own
+FX-graph and kernel caches sit beside them (a cold class then compiles faster).
 
 The root is `serve`'s `<bundle>/compile-cache` (shared by every pod that mounts the bundle),
 $DFLASH_TRT_COMPILE_CACHE, or `~/.cache/dflash-trt/compile` for the library.
@@ -159,14 +159,38 @@ def bundle_cache_root(bundle: str | os.PathLike[str]) -> Path | None:
 
 def round_fingerprint(facts: dict[str, Any]) -> str:
     """A key for everything a compiled round depends on: `facts` (the runner's sizes, dtypes and model
-    configurations) and the source of the dflash_trt packages the round runs."""
+    configurations) and the code of the dflash_trt packages the round runs (`_code_digest`)."""
     digest = hashlib.sha256(repr(sorted(facts.items())).encode())
     package = Path(__file__).resolve().parent.parent
     for sub in ROUND_SOURCES:
         for path in sorted((package / sub).rglob("*.py")):
             digest.update(path.relative_to(package).as_posix().encode())
-            digest.update(path.read_bytes())
+            digest.update(_code_digest(path.read_bytes()))
     return digest.hexdigest()[:16]
+
+
+def _code_digest(source: bytes) -> bytes:
+    """What of a module's source a compiled round depends on: its syntax tree without docstrings,
+    comments, formatting or line numbers. An edit to any of those keeps every saved round valid (a
+    saved artifact carries its own bytecode; its line numbers only show in tracebacks). Source that
+    does not parse is taken byte for byte."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return hashlib.sha256(source).digest()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).digest()
 
 
 @dataclasses.dataclass(frozen=True)

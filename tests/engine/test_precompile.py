@@ -124,3 +124,16 @@ def test_precompile_fills_the_cache_that_serve_reads(precompiled, tmp_path, monk
     monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: False)  # a torch without aot_compile
     old_torch = CliRunner().invoke(cli, ["precompile", "--bundle", str(bundle)])
     assert old_torch.exit_code == 1 and "cannot save compiled rounds" in old_torch.output, old_torch.output
+
+
+def test_fingerprint_ignores_docstrings_and_comments_but_not_code():
+    """An edit to a docstring, a comment or the layout keeps saved rounds valid; a change of code,
+    down to one constant, makes the fingerprint of the sources new."""
+    base = b'"""Module."""\nimport torch\n\n\ndef f(x):\n    """Doc."""\n    return x * 2  # twice\n'
+    same = (b'"""The module, reworded."""\nimport torch\n# a new comment\n\n\n\ndef f(x):\n'
+            b'    """Other words."""\n    return x*2\n')  # fmt: skip
+    other = base.replace(b"x * 2", b"x * 3")
+    digest = compile_mod._code_digest
+    assert digest(same) == digest(base)
+    assert digest(other) != digest(base)
+    assert digest(b"def broken(:\n") != digest(b"def broken( :\n")  # unparsable: byte for byte
