@@ -30,6 +30,7 @@ from typing import Any
 from script_args import positive_ints
 
 from dflash_trt.bench.shapes import SHAPES
+from dflash_trt.utils.device import cpu_model_name
 
 
 def _weights(shape_name: str) -> list[tuple[str, int, int]]:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "shape": args.shape, "dtype": args.dtype, "baseline": baseline, "rows": rows, "threads": args.threads,
         "repeats": args.repeats, "stream_gb": args.stream_gb,
-        "torch": torch.__version__, "python": platform.python_version(), "cpu": _cpu_name(),
+        "torch": torch.__version__, "python": platform.python_version(), "cpu": cpu_model_name(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "read_bandwidth_gb_s": round(bandwidth, 1),
     }  # fmt: skip
     points = []
@@ -159,17 +160,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['baseline_us']:>10.1f} {r['baseline_gb_s']:>6.1f} {r['speedup']:>6.2f}x "
               f"{r['dflash_max_err']:>7.3g}/{r['baseline_max_err']:<7.3g}")  # fmt: skip
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

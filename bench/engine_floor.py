@@ -442,18 +442,11 @@ def _versions() -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    from dflash_trt.utils.device import cpu_has_native_bf16
+    from dflash_trt.utils.device import cpu_has_native_bf16, cpu_model_name
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
     return {
         "hostname": platform.node(),
-        "cpu": cpu,
+        "cpu": cpu_model_name(),
         "cpu_count": os.cpu_count(),
         "native_bf16": cpu_has_native_bf16(),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],

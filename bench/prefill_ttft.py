@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -114,14 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cpu() -> str:
     """The CPU's model name and whether it computes bf16 natively."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    name = next(
-        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), ""
-    )
-    return f"{name or platform.machine()} (native bf16: {'yes' if 'avx512_bf16' in info or 'amx_bf16' in info else 'no'})"
+    from dflash_trt.utils.device import cpu_has_native_bf16, cpu_model_name
+
+    return f"{cpu_model_name()} (native bf16: {'yes' if cpu_has_native_bf16() else 'no'})"
 
 
 if __name__ == "__main__":

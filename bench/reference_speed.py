@@ -112,18 +112,12 @@ def _loadavg() -> list[float] | None:
 def _machine(device: str, load_at_start: list[float] | None) -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from dflash_trt.utils.device import cpu_model_name
+
     out: dict[str, Any] = {
         "hostname": platform.node(),
         "machine": platform.machine(),
-        "cpu": cpu,
+        "cpu": cpu_model_name(),
         "cpu_count": os.cpu_count(),
         "loadavg_at_start": load_at_start,
         "loadavg_at_end": _loadavg(),

@@ -64,6 +64,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what the platform module reports: benchmarks
+    print it next to every figure."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 GEMMs run natively instead of being emulated."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

@@ -51,6 +51,22 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch) -> None:
         assert device_mod.cpu_has_native_bf16() is want
 
 
+def test_cpu_model_name_reads_cpuinfo_and_falls_back_to_the_platform(monkeypatch, tmp_path) -> None:
+    import builtins
+    import platform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core\n")
+    real_open = builtins.open
+    monkeypatch.setattr(
+        builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k)
+    )
+    assert device_mod.cpu_model_name() == "AMD EPYC 9R14 96-Core"
+    info.unlink()  # no /proc/cpuinfo (macOS, Windows): the platform module's answer
+    monkeypatch.setattr(platform, "processor", lambda: "arm")
+    assert device_mod.cpu_model_name() == "arm"
+
+
 def test_the_llm_loads_the_checkpoint_dtype_by_the_policy(monkeypatch) -> None:
     """tiny's checkpoint is bf16 and narrow: float32 by the policy, bf16 when asked."""
     from dflash_trt.api.llm import LLM
