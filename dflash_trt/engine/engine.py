@@ -153,7 +153,9 @@ class LLMEngine:
         count = pack_linears(self.target, float32=float32)
         if self.drafter is not None:
             count += pack_linears(self.drafter, float32=float32)
-        if count:
+        if count and self.target.model.embed_tokens.weight.dtype == torch.float32 and not float32:
+            log.info("prepacked %d fp32 weights (dflash-trt's fp32 CPU GEMM)", count)
+        elif count:
             compute = torch.float32 if float32 else torch.bfloat16
             kind = "dflash-trt's CPU GEMM" if cpu_gemm.available(compute) else "oneDNN"
             log.info("prepacked %d weights as bf16 (%s, %s compute)", count, kind, str(compute)[6:])

@@ -270,6 +270,10 @@ class ModelRunner:
             "drafter": None if self.drafter is None else repr(self.drafter.config),
             "sizes": (self.max_batch_size, self.num_pages, self.page_size, self.block_size),
             "plugins": self.plugins is not None,
+            # which linears run on packed fp32 weights (3-D): the switch DFLASH_TRT_CPU_GEMM changes them
+            "packed_f32": sum(
+                b.dim() == 3 for m in (self.target, self.drafter) if m is not None for b in m.buffers()
+            ),
         }
 
     def freeze_compiled(self) -> None:

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""dflash-trt's own CPU GEMMs on bf16 weights, for decoding: two C kernels on one packed layout.
+"""dflash-trt's own CPU GEMMs for decoding: two C kernels on one packed bf16 layout, and a C++ torch
+operator for fp32 weights (`dflash_f32::linear`, at the end of this module).
 
 Why. Decoding multiplies a handful of rows by every weight of the model: on a CPU the step is the
 time it takes to stream the weights from memory. Both kernels read a weight once per call whatever
@@ -186,4 +187,90 @@ def _build(kernel: _Kernel) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built dflash_trt's CPU GEMM: %s", path)
+    return path
+
+
+# --- fp32: a torch operator of our own (gemm_f32_op.cpp) -----------------------------------------------
+# fp32 models (`tiny`, small drafters) run their linears through `dflash_f32::linear` on CPUs with
+# AVX-512F: a C++ operator registered with the dispatcher (a compiled round calls it as it calls
+# aten::mm), on weights packed once as [ceil(N/16), K, 16]. Same switch (DFLASH_TRT_CPU_GEMM=0) and
+# cache as the C kernels above; built with g++ against the installed torch (~10 s, once per torch
+# version and compiler).
+F32_OP_SOURCE = "gemm_f32_op.cpp"
+F32_OP_FLAGS = frozenset({"avx512f"})
+
+
+def f32_available() -> bool:
+    """Whether `dflash_f32::linear` runs here: the switch, an x86-64 CPU with AVX-512F, and the
+    operator built and loaded (built at the first call that needs it)."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or not cpu_flags() >= F32_OP_FLAGS:
+        return False
+    return _load_f32_op()
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] fp32 in `dflash_f32::linear`'s layout [ceil(N/16), K, 16] (N padded with zeros)."""
+    n, k = weight.shape
+    blocks = -(-n // BLOCK)
+    dense = weight.detach().to(torch.float32)
+    if blocks * BLOCK != n:
+        padded = dense.new_zeros(blocks * BLOCK, k)
+        padded[:n] = dense
+        dense = padded
+    return dense.reshape(blocks, BLOCK, k).permute(0, 2, 1).contiguous()
+
+
+@functools.cache
+def _load_f32_op() -> bool:
+    try:
+        path = _build_f32_op()
+        torch.ops.load_library(str(path))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("dflash_trt's fp32 CPU GEMM operator is unavailable (%s); using torch's", exc)
+        return False
+
+    @torch.library.register_fake("dflash_f32::linear")
+    def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    return True
+
+
+def _build_f32_op() -> Path:
+    """The operator's shared library for this source, torch and compiler: from the cache, or built now."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++") if shutil.which(c)), None)
+    if cxx is None or shutil.which(cxx) is None:
+        raise RuntimeError("no C++ compiler on PATH (set CXX or install g++)")
+    version = subprocess.run(
+        [cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    source = Path(__file__).with_name(F32_OP_SOURCE)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O3", "-mavx512f", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
+    digest = hashlib.sha256(
+        source.read_bytes() + repr(flags).encode() + version.encode() + torch.__version__.encode()
+    )
+    root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    path = root / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built dflash_trt's fp32 CPU GEMM operator: %s", path)
     return path

@@ -178,8 +178,8 @@ def test_float32_engine_keeps_bf16_weights_and_is_lossless(monkeypatch) -> None:
     tiny = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"}
     prompts = heldout_prompts()[:4]
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
-    with LLM("tiny", dtype="float32", compile=False) as plain:
-        assert plain.engine.packed_weights == 0  # tiny is narrower than the threshold
+    with cpu_gemm.switched(False), LLM("tiny", dtype="float32", compile=False) as plain:
+        assert plain.engine.packed_weights == 0  # dense fp32 weights on MKL's GEMMs
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     monkeypatch.setattr(engine_mod, "BF16_MIN_HIDDEN_CPU", 0)
     with LLM("tiny", dtype="float32", compile=False, speculative_config=tiny, max_batch_size=4) as llm:
