@@ -299,9 +299,13 @@ def run_ours(
             max_seq_len=args.prompt_len + args.max_tokens + 16,
         )
         bf16 = str(llm.dtype) == "torch.bfloat16"
-        packed = llm.engine.packed_weights > 0
+        # fp32 weights packed for dflash_f32::linear (3-D) stay fp32; other packed weights are bf16
+        f32_packed = sum(b.dim() == 3 for b in llm.engine.target.buffers())
+        packed = llm.engine.packed_weights > 0 and not f32_packed
         if bf16:
             gemm = "dflash_trt bf16" if own_gemm and cpu_gemm.available() else "oneDNN"
+        elif f32_packed:  # narrow fp32 models on an AVX-512F CPU
+            gemm = "dflash_trt fp32"
         else:  # float32: wide models keep bf16-valued weights as bf16 for our AVX2 kernel
             gemm = "dflash_trt fp32 on bf16 weights" if packed else "torch (float32)"
     startup = time.perf_counter() - t0

@@ -111,14 +111,16 @@ def streamed_weight_bytes(model: Any) -> int:
     """Bytes of target weights one decoding step reads (see the module docstring)."""
     seen: set[int] = set()
     total = 0
-    for p in model.parameters():
+    # fp32 weights packed for dflash_f32::linear (CPU) are 3-D buffers; their dense parameters are empty
+    for p in [*model.parameters(), *(b for b in model.buffers() if b.dim() == 3)]:
         if id(p) in seen:
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
     embed = model.model.embed_tokens.weight
-    if model.lm_head.weight is not embed:
-        total -= embed.numel() * embed.element_size()
+    head_packed = getattr(model.lm_head, "packed", None)
+    if model.lm_head.weight is not embed or (head_packed is not None and head_packed.dim() == 3):
+        total -= embed.numel() * embed.element_size()  # the head reads its own copy; a lookup, one row
     return total
 
 
