@@ -187,8 +187,9 @@ def pack_linears(model: nn.Module, *, float32: bool = False) -> int:
     (every nn.Embedding weight of `model` stays dense, tied or not). With `float32`, also every fp32
     weight whose values are all bf16 values (a bf16 checkpoint loaded in fp32): stored as bf16 in
     `cpu_gemm`'s layout, half the bytes, computed in fp32 (where its AVX2 kernel runs; else it stays
-    dense). Returns the number of weights packed. Inference only; call after loading, fusing and
-    moving the model."""
+    dense). Every other fp32 weight whose width is a multiple of 16 is packed for `dflash_f32::linear`
+    where that operator runs (AVX-512F). Returns the number of weights packed. Inference only; call
+    after loading, fusing and moving the model."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
     count = 0
