@@ -40,7 +40,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -163,12 +163,28 @@ def _entry(kernel: _Kernel) -> Any:
 
 def _build(kernel: _Kernel) -> Path:
     """The shared library for this source, flags and compiler: from the cache, or compiled now."""
-    cc = os.environ.get("CC") or next((c for c in ("gcc", "cc") if shutil.which(c)), None)
-    if cc is None or shutil.which(cc) is None:
-        raise RuntimeError("no C compiler on PATH (set CC or install gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
-    source = Path(__file__).with_name(kernel.source)
-    digest = hashlib.sha256(source.read_bytes() + repr(kernel.cc_flags).encode() + version.encode())
+    cc = _compiler("CC", ("gcc", "cc"), "no C compiler on PATH (set CC or install gcc)")
+    return _compiled_library(cc, Path(__file__).with_name(kernel.source), kernel.cc_flags)
+
+
+def _compiler(env: str, names: tuple[str, ...], missing: str) -> str:
+    """$env, else the first of `names` on PATH; RuntimeError(missing) when there is none."""
+    found = os.environ.get(env) or next((c for c in names if shutil.which(c)), None)
+    if found is None or shutil.which(found) is None:
+        raise RuntimeError(missing)
+    return found
+
+
+def _compiled_library(
+    compiler: str, source: Path, flags: Sequence[str], libs: Sequence[str] = (), salt: bytes = b""
+) -> Path:
+    """`source` built into a shared library in the kernel cache, under a digest of the source, the
+    flags, the compiler's version and `salt`: from the cache, or compiled now (to a temporary name,
+    then renamed: concurrent processes never load half a file)."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    digest = hashlib.sha256(source.read_bytes() + repr(flags).encode() + version.encode() + salt)
     root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
     path = root / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if path.is_file():
@@ -177,11 +193,12 @@ def _build(kernel: _Kernel) -> Path:
     fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run(
-            [cc, *kernel.cc_flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300
-        )
+        done = subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+            raise RuntimeError(
+                f"{compiler} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
+            )
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -242,35 +259,11 @@ def _build_f32_op() -> Path:
     """The operator's shared library for this source, torch and compiler: from the cache, or built now."""
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++") if shutil.which(c)), None)
-    if cxx is None or shutil.which(cxx) is None:
-        raise RuntimeError("no C++ compiler on PATH (set CXX or install g++)")
-    version = subprocess.run(
-        [cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    source = Path(__file__).with_name(F32_OP_SOURCE)
+    cxx = _compiler("CXX", ("g++", "c++"), "no C++ compiler on PATH (set CXX or install g++)")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = ["-O3", "-mavx512f", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
-    digest = hashlib.sha256(
-        source.read_bytes() + repr(flags).encode() + version.encode() + torch.__version__.encode()
+    return _compiled_library(
+        cxx, Path(__file__).with_name(F32_OP_SOURCE), flags, libs, torch.__version__.encode()
     )
-    root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    path = root / f"{source.stem}-{digest.hexdigest()[:16]}.so"
-    if path.is_file():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{source.stem}-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([cxx, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built dflash_trt's fp32 CPU GEMM operator: %s", path)
-    return path
