@@ -137,3 +137,23 @@ def test_fingerprint_ignores_docstrings_and_comments_but_not_code():
     assert digest(same) == digest(base)
     assert digest(other) != digest(base)
     assert digest(b"def broken(:\n") != digest(b"def broken( :\n")  # unparsable: byte for byte
+
+
+def test_shape_rules_set_the_setting_only_inside_and_restore_it_on_errors():
+    """The round's shape rule is on inside `shape_rules` only (torch's setting is process-wide), and
+    what was there before comes back, also after an exception and when nested."""
+    import torch.fx.experimental._config as fx_config
+
+    before = fx_config.backed_size_oblivious
+    with compile_mod.shape_rules():
+        assert fx_config.backed_size_oblivious is True
+        with compile_mod.shape_rules():
+            assert fx_config.backed_size_oblivious is True
+        assert fx_config.backed_size_oblivious is True
+    assert fx_config.backed_size_oblivious == before
+    with pytest.raises(KeyError), compile_mod.shape_rules():
+        raise KeyError("inside")
+    assert fx_config.backed_size_oblivious == before
+    with compile_mod.compile_rules():
+        assert fx_config.backed_size_oblivious is True and fx_config.use_duck_shape is False
+    assert fx_config.backed_size_oblivious == before
