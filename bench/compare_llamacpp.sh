@@ -17,6 +17,8 @@
 #        pair: DRAFTER=tiny-dflash2 and DRAFTER_GGUF its GGUF (llama.cpp's convert_hf_to_gguf.py
 #        dflash_trt/assets/tiny/drafter-dflash2 --target-model-dir dflash_trt/assets/tiny/target --outtype f32);
 #        use a new OUT (a bundle already in OUT is reused)
+# Run it under default scheduling: `chrt -r` (real-time round robin) cost our multi-process server ~18 % at
+# c=1 on a 2-core host (bench/results/sched-2026-11-27/).
 # Writes OUT/<label>/ sweep directories, OUT/config.txt and OUT/summary.txt (bench/compare_summary.py --peer llama).
 set -u
 OUT=${1:-bench/runs/llamacpp-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-16}; THREADS=${THREADS:-$(nproc)}

@@ -12,6 +12,8 @@
 #        DRAFTER=$PWD/dflash_trt/assets/tiny/drafter-dflash2, which vLLM serves only with its V2 model runner)
 #        TREE (default empty: no DDTree run; N or auto: each variant also serves a bundle built with --tree-budget TREE,
 #        run ours-VARIANT-ddtree)
+# Run it under default scheduling: `chrt -r` (real-time round robin) cost our multi-process server ~18 % at
+# c=1 on a 2-core host (bench/results/sched-2026-11-27/).
 # Writes OUT/<label>/ sweep directories, OUT/config.txt, OUT/compare-*.txt and OUT/pareto.png.
 set -u
 OUT=${1:-bench/runs/vllm-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-32}; VLLM_RUNS=${VLLM_RUNS:-2}
