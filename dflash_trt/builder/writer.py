@@ -17,6 +17,7 @@ from typing import Any
 
 from dflash_trt.builder.plan import BuildPlan, check_output
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.utils.interrupts import check_interrupted, noted_interrupts
 from dflash_trt.utils.io import atomic_dir, dump_json, dump_yaml
 
 log = logging.getLogger(__name__)
@@ -191,21 +192,26 @@ def write_bundle(
     force: bool = False,
     progress: Callable[[str], None] = _say,
 ) -> dict[str, Any]:
-    """Build the bundle in a temporary sibling of `output` and rename it into place."""
+    """Build the bundle in a temporary sibling of `output` and rename it into place. Ctrl-C at any
+    point leaves no bundle: the step boundaries check for an interrupt that a library swallowed."""
     check_output(output, force)
     report: dict[str, Any] = {}
-    with atomic_dir(output, overwrite=force) as tmp:
+    with noted_interrupts(), atomic_dir(output, overwrite=force) as tmp:
         for rel, src in plan.copies.items():
             progress(f"linking {src} -> {rel}")
             link_or_copy_tree(
                 materialise(src, offline=plan.request.offline, hub_down=_hub_down(plan)), tmp / rel
             )
+            check_interrupted()
         target_report = _quantize_target(plan, tmp, progress)
+        check_interrupted()
         if target_report is not None:
             report["target_quantization"] = target_report
         if plan.quantization["drafter"]["format"] == "fp8":
             report["drafter_quantization"] = _quantize_drafter(plan, tmp, progress)
+            check_interrupted()
         manifest = _write_files(plan, tmp, report, progress)
+        check_interrupted()  # the last chance before the rename commits the bundle
     progress(f"bundle written to {output}")
     return manifest
 
