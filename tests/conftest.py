@@ -34,6 +34,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# `dflash-trt ...` as a subprocess with Python's own SIGINT handler, for the tests that interrupt it: a
+# test run started in a shell's background inherits SIGINT ignored (so would `python -m dflash_trt`),
+# and the CLI rightly leaves an ignored SIGINT alone.
+INTERRUPTIBLE_CLI = [
+    sys.executable,
+    "-c",
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from dflash_trt.cli import main; main(sys.argv[1:])",
+]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from dflash_trt.bench.sweep import SweepConfig, run_sweep
 from dflash_trt.errors import UsageError
 from tests.bench.scripted_server import Script
+from tests.conftest import INTERRUPTIBLE_CLI
 
 FAST = Script(ttft_s=0.01, chunk_gap_s=0.005, tokens_per_chunk=(4,))
 REQUIRED_POINT_KEYS = (
@@ -136,7 +136,7 @@ def test_ctrl_c_keeps_completed_points_and_rerun_resumes(scripted, tmp_path, byt
     held = Script(ttft_s=0.01, chunk_gap_s=0.01, tokens_per_chunk=(1,), hold_from=4)
     with scripted(held) as server:
         cmd = [
-            sys.executable, "-m", "dflash_trt", "bench", "sweep",
+            *INTERRUPTIBLE_CLI, "bench", "sweep",
             "--url", server.http_url, "--protocol", "triton-http", "--concurrency", "1,2,3",
             "--num-requests", "3", "--warmup", "0", "--isl", "16", "--osl", "9",
             "--tokenizer", str(byte_tokenizer_dir), "--out", str(out), "--no-progress",

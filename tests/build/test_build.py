@@ -14,6 +14,7 @@ import pytest
 
 from dflash_trt.builder.llm_api import validate_against_field_list, validate_llm_api
 from dflash_trt.errors import ConfigError
+from tests.conftest import INTERRUPTIBLE_CLI
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "fixtures" / "configs"
@@ -312,11 +313,7 @@ def test_interrupted_build_leaves_no_partial_bundle(tmp_path):
     import time
 
     out = tmp_path / "b"
-    # Python's SIGINT handler in the child, as under an interactive shell: a test run started in a
-    # shell's background inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
-    launch = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-              "from dflash_trt.cli import main; main(sys.argv[1:])")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", launch, "build", "--target", "tiny", "--quant", "fp8",
+    proc = subprocess.Popen([*INTERRUPTIBLE_CLI, "build", "--target", "tiny", "--quant", "fp8",
                              "--calib-samples", "12", "--output", str(out)], stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     seen = ""
