@@ -113,14 +113,15 @@ def supports(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> BlockedWeight:
     """`weight` [N, K] (K even) in the kernels' layout, as bf16 (a new tensor; `weight` is unchanged)."""
     n, k = weight.shape
-    blocks = -(-n // BLOCK)
-    dense = weight.detach().to(torch.bfloat16)
-    if blocks * BLOCK != n:
-        padded = dense.new_zeros(blocks * BLOCK, k)
-        padded[:n] = dense
-        dense = padded
-    data = dense.reshape(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    dense = _whole_blocks(weight.detach().to(torch.bfloat16))
+    data = dense.reshape(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return BlockedWeight(data, n, k)
+
+
+def _whole_blocks(dense: torch.Tensor) -> torch.Tensor:
+    """`dense` [N, K] with zero rows appended up to a whole number of BLOCK-row blocks."""
+    extra = -dense.shape[0] % BLOCK
+    return torch.cat([dense, dense.new_zeros(extra, dense.shape[1])]) if extra else dense
 
 
 def gemm(x: torch.Tensor, weight: BlockedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -229,14 +230,8 @@ def f32_available() -> bool:
 
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] fp32 in `dflash_f32::linear`'s layout [ceil(N/16), K, 16] (N padded with zeros)."""
-    n, k = weight.shape
-    blocks = -(-n // BLOCK)
-    dense = weight.detach().to(torch.float32)
-    if blocks * BLOCK != n:
-        padded = dense.new_zeros(blocks * BLOCK, k)
-        padded[:n] = dense
-        dense = padded
-    return dense.reshape(blocks, BLOCK, k).permute(0, 2, 1).contiguous()
+    dense = _whole_blocks(weight.detach().to(torch.float32))
+    return dense.reshape(-1, BLOCK, weight.shape[1]).permute(0, 2, 1).contiguous()
 
 
 @functools.cache
