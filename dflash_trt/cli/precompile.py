@@ -35,7 +35,7 @@ import click
 def precompile(bundle: Path, no_draft: bool, cache_dir: Path | None) -> None:
     """Compile the bundle's rounds into its compile cache, then exit (0: every class is cached).
 
-    Takes minutes on a small CPU the first time (about thirteen for `tiny` on 2 cores) and seconds when
+    Takes minutes on a small CPU the first time (about seven for `tiny` on 2 cores) and seconds when
     the cache already holds every class. Run it as a Kubernetes Job or init container on the volume
     that holds the bundle, or in an image build, before the servers start.
 

@@ -368,11 +368,7 @@ class RoundCache:
         for i, dim in core.dynamic:
             torch._dynamo.mark_dynamic(args[i], dim)
         if not saves_compiled_rounds():  # an older torch: compiled in memory, for this process only
-            # Only the marked sizes are dynamic (dynamic=None, and no automatic dynamic, which keys on
-            # the function's name and would turn the draft length g symbolic once a second class
-            # compiles): with the block's length symbolic, inductor in torch 2.11 fails on the
-            # round's slices of it.
-            with compile_rules(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            with compile_rules():
                 fn = _InMemoryRound(
                     torch.compile(_own_code(core.fn), fullgraph=True, dynamic=None, options=dict(_OPTIONS))
                 )
@@ -383,7 +379,7 @@ class RoundCache:
             return fn
         with compile_rules():
             compiled: Any = torch.compile(
-                core.fn, fullgraph=True, dynamic=True, options=_OPTIONS | {"guard_filter_fn": _guard_filter}
+                core.fn, fullgraph=True, dynamic=None, options=_OPTIONS | {"guard_filter_fn": _guard_filter}
             )
             fn = compiled.aot_compile((args, kwargs))
         self.compiled += 1
@@ -466,16 +462,24 @@ def is_guard_failure(exc: BaseException) -> bool:
 
 
 def compile_rules() -> Any:
-    """The symbolic-shape and tracing settings the round is compiled under: `shape_rules`, no duck
-    sizing (a batch of 2 and a page width of 2 stay separate symbols), and Python float constants
-    specialised (the round has no float inputs; aot_compile cannot restart a trace that finds one)."""
+    """The symbolic-shape and tracing settings the round is compiled under: `shape_rules`; only the
+    sizes `RoundCache` marks are symbolic (torch.compile's dynamic=None, and no automatic dynamic,
+    which would turn a size symbolic once a second class of the same code compiles); no duck sizing
+    (a batch of 2 and a page width of 2 stay separate symbols); Python float constants specialised
+    (the round has no float inputs; aot_compile cannot restart a trace that finds one).
+
+    The draft length g in particular stays a constant of its class. As a symbol (dynamic=True), every
+    index into the [batch x block] rows becomes a division by a runtime size: inductor's C++ code
+    generation then spends most of its time in sympy on those expressions (a cold compile of `tiny`'s
+    12 classes took 667 s instead of 433 s, back to back on one machine; bench/README.md), and torch
+    2.11's inductor fails on the round's slices of the block."""
     import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as fx_config
 
     stack = contextlib.ExitStack()
     stack.enter_context(shape_rules())
     stack.enter_context(fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
-    stack.enter_context(dynamo_config.patch(specialize_float=True))
+    stack.enter_context(dynamo_config.patch(specialize_float=True, automatic_dynamic_shapes=False))
     return stack
 
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Compiling an engine's rounds in a process of its own, while the engine serves eagerly.
 
-A cold compile of every shape class takes minutes on a small CPU (about thirteen for `tiny`'s twelve
+A cold compile of every shape class takes minutes on a small CPU (about seven for `tiny`'s twelve
 classes on 2 cores). Rather than keep a server unready that long, `LLM` starts this module as a child process
 when the compile cache lacks a class the warm-up needs: the child builds the same engine (same models,
 sizes and dtype, so the same fingerprint, engine/compile.py), compiles every warm-up class and saves
