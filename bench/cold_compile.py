@@ -6,6 +6,9 @@ AOT autograd, inductor's lowering, code generation and C++ compiles).
     python bench/cold_compile.py                          # tiny with its drafter
     python bench/cold_compile.py --no-draft               # tiny alone
     python bench/cold_compile.py --cache-dir DIR --keep   # keep the artifacts (a warm start follows)
+    python bench/cold_compile.py --workers 1              # one process (default: side by side)
+
+With helper processes (engine/precompile.py) the classes they compiled are listed from their log.
 
 It prints its configuration (CPU model and the vector extensions that matter, torch) beside the figures.
 The cache is a temporary directory unless --cache-dir names one; inductor's caches go there too, so
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=None, help="the engine's (default: LLM's)")
     ap.add_argument("--cache-dir", help="compile cache root (default: a fresh temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary cache")
+    ap.add_argument("--workers", type=int, help="processes that compile side by side (default: the engine's "
+                    "choice, one per core that memory allows; engine/precompile.py)")  # fmt: skip
     args = ap.parse_args()
 
     root = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="dflash-cold-"))
@@ -66,7 +71,9 @@ def main() -> None:
         raise SystemExit(f"--cache-dir {root}: not empty; a cold compile needs an empty directory")
     os.environ["DFLASH_TRT_COMPILE_CACHE"] = str(root)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
-    os.environ["DFLASH_TRT_COMPILE_BACKGROUND"] = "0"  # compile before ready, in this process
+    os.environ["DFLASH_TRT_COMPILE_BACKGROUND"] = "0"  # compile before ready, from this process
+    if args.workers is not None:
+        os.environ["DFLASH_TRT_COMPILE_WORKERS"] = str(args.workers)
 
     import torch
     from torch._dynamo.utils import compilation_time_metrics
@@ -82,6 +89,7 @@ def main() -> None:
         else {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": args.target}
     )
     config = {"target": args.target, "drafter": not args.no_draft, "max_batch_size": args.max_batch_size,
+              "workers": os.environ.get("DFLASH_TRT_COMPILE_WORKERS", "auto"),
               "torch": torch.__version__, "python": platform.python_version(),
               **_cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     print("# cold compile:", json.dumps(config), flush=True)
@@ -90,11 +98,16 @@ def main() -> None:
     llm = LLM(args.target, speculative_config=spec, **extra)
     ready = time.perf_counter() - t0
     llm.shutdown()
+    for log_path in sorted(root.rglob("precompile.log")):  # the helpers' classes
+        for name, seconds in _ClassTimes.PATTERN.findall(log_path.read_text()):
+            print(f"  {name:<40} {float(seconds):7.1f} s  (helper)")
     total = sum(s for _, s in handler.times)
-    print(f"classes compiled: {len(handler.times)}, {total:.1f} s; LLM ready after {ready:.1f} s")
+    print(
+        f"classes compiled in this process: {len(handler.times)}, {total:.1f} s; LLM ready after {ready:.1f} s"
+    )
     keep = ("bytecode_tracing", "aot_collect_metadata", "GraphLowering.run", "Scheduler.__init__",
             "Scheduler.codegen", "compile_file", "async_compile.wait", "PyCodeCache.load_by_key_path")  # fmt: skip
-    print("torch's split (s, all classes; nested phases overlap):",
+    print("torch's split (s, this process's classes; nested phases overlap):",
           ", ".join(f"{k} {sum(compilation_time_metrics[k]):.1f}" for k in keep if k in compilation_time_metrics))  # fmt: skip
     if not args.cache_dir and not args.keep:
         shutil.rmtree(root, ignore_errors=True)

@@ -23,6 +23,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Engines default to compiled rounds; most tests start engines and servers by the dozen, so they run
 # eager rounds (DFLASH_TRT_COMPILE=0, inherited by servers). Tests of the compiled default unset it.
 os.environ.setdefault("DFLASH_TRT_COMPILE", "0")
+# A compile happens in one process: the suite already keeps both cores busy (pytest-xdist), so helper
+# processes (engine/precompile.py) would only add their start-up. test_precompile runs them.
+os.environ.setdefault("DFLASH_TRT_COMPILE_WORKERS", "1")
 # Inductor's own caches (FX graphs, AOTAutograd, C++ kernels) persist between runs of the suite: a
 # warm `make test` skips their code generation and C compiles (the compile test of the small pair:
 # 208 -> 169 s). The compiled rounds themselves (engine/compile.py's RoundCache) stay in each test's

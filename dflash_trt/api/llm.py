@@ -589,20 +589,29 @@ def _start_compiled(engine: Any, request: Callable[[Any], Any]) -> Any:
         or not saves_compiled_rounds()  # a background process could not hand its rounds over
     )
     if rounds.directory is None or rounds.on_disk(classes) or foreground:
-        _warm_up_compiled(engine)
+        # helpers compile beside this process where they can hand their rounds over (engine/precompile.py)
+        shared = engine.device.type == "cpu" and rounds.directory is not None and saves_compiled_rounds()
+        _warm_up_compiled(engine, request if shared else None)
         return None
     engine.runner.freeze_compiled()  # nothing compiles in this process: rounds run eagerly until loaded
     rounds.expect(classes)
     return spawn(request(engine), rounds.directory)
 
 
-def _warm_up_compiled(engine: Any) -> None:
-    """Compile before traffic; a failed compilation falls back to eager rounds with a warning."""
+def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) -> None:
+    """Compile before traffic, with helper processes when `request` (what they need to build the
+    engine) is given; a failed compilation falls back to eager rounds with a warning."""
     import torch
+
+    from dflash_trt.engine.precompile import warm_up_shared
 
     log.info("compiled rounds: loading or compiling greedy and sampled rounds at batch 1 and 2+")
     try:
-        log.info("compiled rounds ready in %.1f s", engine.warm_up())
+        if request is not None:
+            seconds = warm_up_shared(engine, request(engine), engine.runner.rounds.directory)
+        else:
+            seconds = engine.warm_up()
+        log.info("compiled rounds ready in %.1f s", seconds)
         engine.runner.freeze_compiled()  # a shape class not seen in warm-up runs eagerly, never stalls
     except Exception as exc:  # any compiler failure: serving eagerly beats not serving
         log.warning(

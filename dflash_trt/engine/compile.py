@@ -210,7 +210,8 @@ class RoundCache:
     """The runner's compiled rounds, one per shape class, kept in memory and (with a directory) on disk.
 
     `get` returns a class's compiled round: already in memory, loaded from disk, or (unless frozen)
-    compiled now from the round's arguments and saved. `kwargs` are the round's static keyword
+    compiled now from the round's arguments and saved (only the `assigned` classes, when a warm-up
+    shares the classes among processes: engine/precompile.py). `kwargs` are the round's static keyword
     arguments (g, flags, budget: `RoundShape.kwargs`); a compiled round is called as
     `fn(runner, *args, **kwargs)`; `None` means: run this round eagerly.
     """
@@ -221,7 +222,9 @@ class RoundCache:
         self._fns: dict[tuple[Any, ...], Any] = {}
         self._refused: set[tuple[Any, ...]] = set()  # classes whose compilation failed: eager from now on
         self.frozen = False
+        self.assigned: set[tuple[Any, ...]] | None = None  # the only classes to compile (None: all)
         self.loaded = self.compiled = 0  # classes loaded from disk / compiled in this process
+        self.helped = 0  # of those loaded: classes helper processes compiled for this one (precompile.py)
         self._expected: list[tuple[Any, ...]] = []  # classes another process compiles (`expect`)
         self._next_look = 0.0
 
@@ -309,7 +312,7 @@ class RoundCache:
         if fn is not None or key in self._refused:
             return fn
         fn = self._load(key)
-        if fn is None and compile and not self.frozen:
+        if fn is None and compile and not self.frozen and (self.assigned is None or key in self.assigned):
             try:
                 fn = self._compile(key, args, kwargs)
             except Exception as exc:

@@ -22,6 +22,7 @@ import itertools
 import logging
 import queue
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -379,18 +380,29 @@ class LLMEngine:
     def warm_up_classes(self) -> list[tuple[Any, ...]]:
         """The compiled classes (engine/compile.py) that `warm_up` runs: its rounds' shape classes and
         the prefill's (a prefill class is compiled in its batch size's last warm-up batch)."""
+        classes: list[tuple[Any, ...]] = []
+        for keys in self._variant_classes(self._warm_up_variants()):
+            classes += [k for k in keys if k not in classes]
+        return classes
+
+    def _variant_classes(self, variants: list[WarmUp]) -> list[list[tuple[Any, ...]]]:
+        """The classes each warm-up batch compiles: its round's, and the prefill's where it is the last
+        batch of its size."""
         from dflash_trt.engine.compile import PREFILL, RoundCache
 
-        classes = []
-        variants = self._warm_up_variants()
+        out = []
         for n, w in enumerate(variants):
             req = self._make_request([1, 1], w.params, owner=None)
             shape = RoundShape(w.g, w.budget, round_flags([req] * w.batch))
             keys = [RoundCache.class_key(shape.kwargs(), w.batch == 1)]
             if self._compiles_prefill(variants, n):
                 keys.append(RoundCache.class_key({}, w.batch == 1, PREFILL))
-            classes += [k for k in keys if k not in classes]
-        return classes
+            out.append(keys)
+        return out
+
+    def warm_up_size(self) -> int:
+        """How many throwaway batches `warm_up` runs (the most processes worth compiling them)."""
+        return len(self._warm_up_variants())
 
     @staticmethod
     def _compiles_prefill(variants: list[WarmUp], n: int) -> bool:
@@ -399,15 +411,27 @@ class LLMEngine:
         compiled), so that a background compiler delivers the rounds, which serving runs most, first."""
         return all(w.batch != variants[n].batch for w in variants[n + 1 :])
 
-    def warm_up(self) -> float:
+    def warm_up(self, claim: Callable[[int], bool] | None = None) -> float:
         """Run throwaway requests to completion so that what is built on first use (the compiled
         round for batch 1 and for larger batches, across page-width growth, greedy and sampling, at
         every draft length and DDTree budget the policies may choose) is ready before real traffic.
-        Returns the seconds it took. Engine thread, before serving."""
+        Returns the seconds it took. Engine thread, before serving.
+
+        claim: one of several processes that compile the warm-up's classes side by side
+        (engine/precompile.py). It runs the batch number n only if claim(n) is true (no other process
+        took it), and compiles only that batch's classes; a round of another process's class runs
+        eagerly here unless it is already on disk."""
         t0 = time.perf_counter()
         variants = self._warm_up_variants()
+        rounds = self.runner.rounds
+        owned = self._variant_classes(variants) if claim is not None else []
         try:
             for n, w in enumerate(variants, 1):
+                if claim is not None:
+                    if not claim(n - 1):
+                        continue
+                    if rounds is not None:
+                        rounds.assigned = set(owned[n - 1])
                 t1 = time.perf_counter()
                 self.runner.compile_prefill = self._compiles_prefill(variants, n - 1)
                 self.budgets.override = w.budget
@@ -421,6 +445,8 @@ class LLMEngine:
                          w.batch, w.g, f", tree budget {w.budget}" if self._trees else "",
                          time.perf_counter() - t1)  # fmt: skip
         finally:
+            if rounds is not None:
+                rounds.assigned = None
             self.runner.compile_prefill = True
             self.budgets.override = None
             self.budgets.reset()  # warm-up rounds compile: their costs would mislead the choice

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Compiling an engine's rounds in a process of its own, while the engine serves eagerly.
 
-A cold compile of every shape class takes minutes on a small CPU (about seven for `tiny`'s twelve
-classes on 2 cores). Rather than keep a server unready that long, `LLM` starts this module as a child process
+A cold compile of every shape class takes minutes on a small CPU (about five for `tiny`'s twelve
+classes on 2 cores, side by side). Rather than keep a server unready that long, `LLM` starts this module as a child process
 when the compile cache lacks a class the warm-up needs: the child builds the same engine (same models,
 sizes and dtype, so the same fingerprint, engine/compile.py), compiles every warm-up class and saves
 it into the cache; the serving engine runs those classes eagerly until each one appears on disk, then
@@ -10,7 +10,19 @@ loads it (`RoundCache.refresh`) and runs it compiled. The child runs at a lower 
 with its parent, and holds a lock on the cache directory so that two servers of one bundle do not
 compile the same classes twice. Its log is `precompile.log` in that directory.
 
-    python -m dflash_trt.engine.precompile REQUEST.json     (what LLM starts)
+Side by side. One class compiles on about one core (inductor's Python code generation, with its g++
+runs beside it), so the warm-up's classes are shared among several processes (`compile_workers`:
+one per core, at most one per warm-up batch, and as many as the free memory holds copies of the
+engine). The compiler started above, and `dflash-trt precompile` or a foreground compile, start
+`helpers` that build the same engine; every process then walks the warm-up in its order and takes
+the next batch no other process has claimed (a file created exclusively in the cache directory:
+`Claims`), so the classes arrive in the warm-up's order and the shares balance themselves. The
+starter waits for its helpers, then loads what they saved (and compiles what a failed helper left).
+The helpers run at the lower priority and end with their parent. $DFLASH_TRT_COMPILE_WORKERS sets
+the number of processes (1: no helpers).
+
+    python -m dflash_trt.engine.precompile REQUEST.json                (what LLM starts)
+    python -m dflash_trt.engine.precompile REQUEST.json --claims TOKEN (a helper)
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +46,7 @@ LOCK_NAME = ".precompile.lock"
 LOG_NAME = "precompile.log"
 REQUEST_NAME = "precompile-request.json"
 NICENESS = 10  # below the serving process: its rounds come first
+WORKERS_ENV = "DFLASH_TRT_COMPILE_WORKERS"  # processes that compile side by side (default: compile_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +71,7 @@ def spawn(request: PrecompileRequest, directory: Path) -> subprocess.Popen[bytes
     if _locked(directory):
         log.info("compiled rounds: another process is compiling into %s; waiting for its results", directory)
         return None
-    req_path = directory / REQUEST_NAME
-    tmp = req_path.with_name(f".{req_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(request), indent=1))
-    os.replace(tmp, req_path)
-    with open(directory / LOG_NAME, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_trt.engine.precompile", str(req_path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_child_setup,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    proc = _launch(_write_request(request, directory), directory)
     log.info(
         "compiled rounds: compiling in the background (pid %d, log %s); rounds run eagerly until each "
         "shape class is ready",
@@ -77,6 +79,109 @@ def spawn(request: PrecompileRequest, directory: Path) -> subprocess.Popen[bytes
         directory / LOG_NAME,
     )
     return proc
+
+
+def compile_workers(batches: int, rss_bytes: int | None = None) -> int:
+    """How many processes compile a warm-up of `batches` throwaway batches side by side:
+    $DFLASH_TRT_COMPILE_WORKERS, else one per CPU core, at most one per batch, and no more than the
+    available memory holds copies of this process (`rss_bytes`, default its resident size; each
+    helper builds the same engine). At least 1."""
+    from dflash_trt.errors import ConfigError
+
+    if raw := os.environ.get(WORKERS_ENV):
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(WORKERS_ENV, raw, "must be an integer >= 1", hint="1 compiles in one process")
+        return min(n, max(1, batches))
+    cap = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    available, rss = _memory(rss_bytes)
+    if available is not None and rss:
+        cap = min(cap, 1 + int(0.8 * available) // rss)  # this process plus the helpers that fit
+    return max(1, min(cap, batches))
+
+
+def _memory(rss_bytes: int | None) -> tuple[int | None, int]:
+    """(MemAvailable, this process's resident bytes or `rss_bytes`); None where /proc has no answer."""
+    rss = rss_bytes
+    try:
+        if rss is None:
+            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, rss
+    except (OSError, ValueError, IndexError):
+        pass
+    return None, rss or 0
+
+
+class Claims:
+    """Which warm-up batches a compile session's processes have taken: batch n is claimed by creating
+    `.claim-<token>-<n>` in the cache directory exclusively (the first process to create it runs
+    it). A new session has a new token; `release` removes the session's files."""
+
+    def __init__(self, directory: Path, token: str | None = None) -> None:
+        self.directory = directory
+        self.token = token or uuid.uuid4().hex[:12]
+
+    def __call__(self, n: int) -> bool:
+        try:
+            os.close(
+                os.open(self.directory / f".claim-{self.token}-{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            )
+        except FileExistsError:
+            return False
+        return True
+
+    def release(self) -> None:
+        for path in self.directory.glob(f".claim-{self.token}-*"):
+            path.unlink(missing_ok=True)
+
+
+def helpers(request: PrecompileRequest, claims: Claims, workers: int) -> list[subprocess.Popen[bytes]]:
+    """Start workers - 1 processes that compile the warm-up batches they claim into the claims'
+    directory (the caller claims its own, then waits for them: `wait_helpers`)."""
+    if workers <= 1:
+        return []
+    directory = claims.directory
+    req_path = _write_request(request, directory)
+    procs = [_launch(req_path, directory, claims.token) for _ in range(1, workers)]
+    log.info("compiled rounds: %d processes compile side by side (helpers %s; log %s)", workers,
+             ", ".join(str(p.pid) for p in procs), directory / LOG_NAME)  # fmt: skip
+    return procs
+
+
+def wait_helpers(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Wait for every helper; one that failed only leaves its classes to the caller (logged)."""
+    for proc in procs:
+        if proc.wait() != 0:
+            log.warning("compiled rounds: helper %d exited with %d; its classes compile here", proc.pid,
+                        proc.returncode)  # fmt: skip
+
+
+def _write_request(request: PrecompileRequest, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    req_path = directory / REQUEST_NAME
+    tmp = req_path.with_name(f".{req_path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(request), indent=1))
+    os.replace(tmp, req_path)
+    return req_path
+
+
+def _launch(req_path: Path, directory: Path, claims: str | None = None) -> subprocess.Popen[bytes]:
+    """A compiler process (with a claims token: a helper) with its output appended to the directory's log."""
+    args = [sys.executable, "-m", "dflash_trt.engine.precompile", str(req_path)]
+    with open(directory / LOG_NAME, "ab") as out:
+        return subprocess.Popen(
+            [*args, "--claims", claims] if claims else args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_child_setup,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def _child_setup() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -101,8 +206,10 @@ def _locked(directory: Path) -> bool:
         return False
 
 
-def run(request: PrecompileRequest) -> int:
-    """Build the engine and compile (or find) every warm-up class; returns how many were compiled."""
+def run(request: PrecompileRequest, claims: str | None = None) -> int:
+    """Build the engine and compile (or find) every warm-up class, sharing them with helpers; a
+    helper (`claims`: its session's token) compiles the batches it claims. Returns how many this
+    process compiled."""
     import fcntl
 
     import torch
@@ -132,27 +239,59 @@ def run(request: PrecompileRequest) -> int:
         )
         rounds = engine.runner.rounds
         assert rounds is not None and rounds.directory is not None
-        with open(rounds.directory / LOCK_NAME, "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the parent saw it free; a sibling may have taken it since
-            engine.warm_up()
+        if claims is not None:  # a helper: its parent holds the lock
+            engine.warm_up(Claims(rounds.directory, claims))
+        else:
+            with open(rounds.directory / LOCK_NAME, "a+") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the parent saw it free; a sibling may have taken it since
+                warm_up_shared(engine, request, rounds.directory)
     log.info(
-        "compiled rounds: %d compiled, %d already there, in %.1f s",
-        rounds.compiled,
-        rounds.loaded,
+        "compiled rounds%s: %d compiled, %d already there, in %.1f s%s",
+        "" if claims is None else " (a helper)",
+        rounds.compiled + rounds.helped,
+        rounds.loaded - rounds.helped,
         time.perf_counter() - t0,
+        f" ({rounds.helped} of them by helpers)" if rounds.helped else "",
     )
     return rounds.compiled
 
 
+def warm_up_shared(engine: Any, request: PrecompileRequest, directory: Path) -> float:
+    """`engine.warm_up()` with its classes compiled by `compile_workers` processes side by side: this
+    one's share, then (once the helpers are done) the whole warm-up, which loads what they saved (a
+    damaged artifact is compiled again) and compiles what a failed helper left. Returns the seconds
+    it took."""
+    t0 = time.perf_counter()
+    rounds = engine.runner.rounds
+    classes = engine.warm_up_classes()
+    missing = sum(not rounds.on_disk([k]) for k in classes)
+    compiled = rounds.compiled
+    workers = compile_workers(engine.warm_up_size()) if missing else 1
+    claims = Claims(directory)
+    procs = helpers(request, claims, workers)
+    try:
+        if procs:
+            engine.warm_up(claims)
+    finally:
+        wait_helpers(procs)
+        claims.release()
+    engine.warm_up()
+    rounds.helped += max(0, missing - (rounds.compiled - compiled))
+    return time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    claims = None
+    if len(args) == 3 and args[1] == "--claims" and args[2].isalnum():
+        args, claims = args[:1], args[2]
     if len(args) != 1:
-        print("usage: python -m dflash_trt.engine.precompile REQUEST.json", file=sys.stderr)
+        print("usage: python -m dflash_trt.engine.precompile REQUEST.json [--claims TOKEN]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     data = json.loads(Path(args[0]).read_text())
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
-    run(PrecompileRequest(**data))
+    run(PrecompileRequest(**data), claims)
     return 0
 
 

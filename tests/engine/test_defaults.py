@@ -146,14 +146,21 @@ def test_fused_linear_equals_the_separate_linears_and_shares_their_weights(bias)
 
 
 @pytest.mark.parametrize(
-    ("device", "saves", "background"),
-    [("cpu", True, True), ("cpu", False, False), ("cuda", True, False)],
-    ids=["cpu", "cpu-torch-without-aot", "gpu"],
+    ("device", "saves", "env", "expected"),
+    [
+        ("cpu", True, "1", "background"),
+        ("cpu", True, "0", "foreground+helpers"),
+        ("cpu", False, "1", "foreground"),
+        ("cuda", True, "1", "foreground"),
+    ],
+    ids=["cpu", "cpu-foreground", "cpu-torch-without-aot", "gpu"],
 )
-def test_where_a_cold_cache_is_compiled(monkeypatch, tmp_path, device, saves, background) -> None:
+def test_where_a_cold_cache_is_compiled(monkeypatch, tmp_path, device, saves, env, expected) -> None:
     """A cold compile cache: a background process on the CPU when torch can save compiled rounds for it
-    to hand over; in the foreground (before ready) on a GPU (a second process would load the weights
-    onto the device again) and with a torch that cannot save them (nothing to hand over)."""
+    to hand over; in the foreground (before ready) when asked ($DFLASH_TRT_COMPILE_BACKGROUND=0), with
+    helper processes beside it (engine/precompile.py), on a GPU (a second process would load the
+    weights onto the device again) and with a torch that cannot save them (nothing to hand over), both
+    without helpers."""
     from types import SimpleNamespace
 
     from dflash_trt.api import llm as llm_mod
@@ -167,10 +174,12 @@ def test_where_a_cold_cache_is_compiled(monkeypatch, tmp_path, device, saves, ba
     engine = SimpleNamespace(
         device=torch.device(device), runner=runner, warm_up_classes=lambda: [("k", True)]
     )
-    monkeypatch.delenv(compile_mod.BACKGROUND_ENV, raising=False)
+    monkeypatch.setenv(compile_mod.BACKGROUND_ENV, env)
     monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: saves)
     monkeypatch.setattr(precompile, "spawn", lambda request, directory: events.append("spawn") or "child")
-    monkeypatch.setattr(llm_mod, "_warm_up_compiled", lambda e: events.append("foreground"))
+    monkeypatch.setattr(llm_mod, "_warm_up_compiled",
+                        lambda e, request: events.append("foreground" + ("+helpers" if request else "")))  # fmt: skip
     child = llm_mod._start_compiled(engine, lambda e: "request")
-    assert events == (["freeze", "expect", "spawn"] if background else ["foreground"])
+    background = expected == "background"
+    assert events == (["freeze", "expect", "spawn"] if background else [expected])
     assert child == ("child" if background else None)

@@ -26,7 +26,8 @@ def _precompile(where: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def precompiled(small_pair, tmp_path_factory):
     """A bundle of the small pair for batch 1 (two classes to compile, not six) and the output of its
-    first `dflash-trt precompile`, from a cold cache: the rounds both tests below use."""
+    first `dflash-trt precompile`, from a cold cache, by two processes side by side (the command's and
+    one helper: engine/precompile.py): the rounds both tests below use."""
     from click.testing import CliRunner
 
     from dflash_trt.cli import cli
@@ -37,6 +38,7 @@ def precompiled(small_pair, tmp_path_factory):
         mp.setenv(compile_mod.COMPILE_ENV, "1")
         mp.delenv(compile_mod.CACHE_ENV, raising=False)
         mp.setenv(compile_mod.BACKGROUND_ENV, "1")  # the command itself turns background compiling off
+        mp.setenv(precompile.WORKERS_ENV, "2")  # whatever the machine's cores: one helper
         args = [
             "--target",
             str(tdir),
@@ -92,10 +94,42 @@ def test_a_held_lock_keeps_a_second_compiler_from_starting(tmp_path) -> None:
             cpu_threads=1, compile_root=str(tmp_path), eos_token_ids=(),
         )  # fmt: skip
         assert precompile.spawn(request, directory) is None  # somebody compiles there already
-    bad = subprocess.run(
-        [sys.executable, "-m", "dflash_trt.engine.precompile"], capture_output=True, text=True, timeout=120
-    )
-    assert bad.returncode == 2 and "usage" in bad.stderr
+    for args in ([], ["request.json", "--claims", "../x"], ["request.json", "--claims"]):
+        bad = subprocess.run([sys.executable, "-m", "dflash_trt.engine.precompile", *args],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert bad.returncode == 2 and "usage" in bad.stderr, (args, bad.stderr)
+
+
+def test_each_warm_up_batch_is_claimed_by_one_process_of_its_session(tmp_path) -> None:
+    """Side-by-side compilers split the warm-up by claiming batches: the first claim of a batch wins,
+    another session (token) claims independently, and release removes only its own session's files."""
+    first, second = precompile.Claims(tmp_path), precompile.Claims(tmp_path)
+    helper = precompile.Claims(tmp_path, first.token)  # what a helper started with --claims TOKEN holds
+    assert first(0) and not helper(0) and helper(1) and not first(1)
+    assert second(0) and second(1)  # a session of its own
+    first.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".claim-{second.token}-{n}" for n in (0, 1)]
+
+
+def test_compile_workers_one_per_core_batch_and_engine_copy_that_memory_holds(monkeypatch) -> None:
+    """How many processes compile side by side: the cores, the warm-up's batches and the free memory
+    (each helper builds the engine again) bound it; $DFLASH_TRT_COMPILE_WORKERS sets it."""
+    from dflash_trt.errors import ConfigError
+
+    monkeypatch.delenv(precompile.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    monkeypatch.setattr(precompile, "_memory", lambda rss: (10 * 2**30, rss))
+    assert precompile.compile_workers(12, rss_bytes=2**20) == 8  # the cores
+    assert precompile.compile_workers(3, rss_bytes=2**20) == 3  # the batches
+    assert precompile.compile_workers(12, rss_bytes=3 * 2**30) == 3  # itself + two copies in 80 % of 10 GiB
+    assert precompile.compile_workers(12, rss_bytes=20 * 2**30) == 1  # no copy fits: no helper
+    monkeypatch.setenv(precompile.WORKERS_ENV, "5")
+    assert precompile.compile_workers(12) == 5
+    assert precompile.compile_workers(2) == 2
+    for bad in ("0", "two"):
+        monkeypatch.setenv(precompile.WORKERS_ENV, bad)
+        with pytest.raises(ConfigError, match=precompile.WORKERS_ENV):
+            precompile.compile_workers(12)
 
 
 @pytest.mark.slow
@@ -111,6 +145,11 @@ def test_precompile_fills_the_cache_that_serve_reads(precompiled, tmp_path, monk
     assert f"{BATCH_1_CLASSES} compiled, 0 already cached" in cold.stdout
     saved = list((bundle / compile_mod.BUNDLE_CACHE_DIR).rglob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
     assert len(saved) == BATCH_1_CLASSES, (saved, cold.stdout)
+    # a helper ran beside the command and took the warm-up batches it claimed (maybe none: the command
+    # claims the first before the helper has started, and may finish it before the helper claims one)
+    helper_log = (saved[0].parent / precompile.LOG_NAME).read_text()
+    assert "compiled rounds (a helper): " in helper_log, helper_log
+    assert not list(saved[0].parent.glob(".claim-*")), "the session's claims are released"
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
     monkeypatch.delenv(compile_mod.CACHE_ENV, raising=False)
     warm = _precompile(bundle)
