@@ -83,9 +83,10 @@ def spawn(request: PrecompileRequest, directory: Path) -> subprocess.Popen[bytes
 
 def compile_workers(batches: int, rss_bytes: int | None = None) -> int:
     """How many processes compile a warm-up of `batches` throwaway batches side by side:
-    $DFLASH_TRT_COMPILE_WORKERS, else one per CPU core, at most one per batch, and no more than the
-    available memory holds copies of this process (`rss_bytes`, default its resident size; each
-    helper builds the same engine). At least 1."""
+    $DFLASH_TRT_COMPILE_WORKERS, else one per CPU core this process may use (its affinity and its
+    cgroup's CPU quota: a pod's limit), at most one per batch, and no more than the available memory
+    (the machine's, or what the cgroup's limit leaves) holds copies of this process (`rss_bytes`,
+    default its resident size; each helper builds the same engine). At least 1."""
     from dflash_trt.errors import ConfigError
 
     if raw := os.environ.get(WORKERS_ENV):
@@ -97,24 +98,48 @@ def compile_workers(batches: int, rss_bytes: int | None = None) -> int:
             raise ConfigError(WORKERS_ENV, raw, "must be an integer >= 1", hint="1 compiles in one process")
         return min(n, max(1, batches))
     cap = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if (quota := _cgroup_cpus()) is not None:
+        cap = min(cap, quota)
     available, rss = _memory(rss_bytes)
     if available is not None and rss:
         cap = min(cap, 1 + int(0.8 * available) // rss)  # this process plus the helpers that fit
     return max(1, min(cap, batches))
 
 
-def _memory(rss_bytes: int | None) -> tuple[int | None, int]:
-    """(MemAvailable, this process's resident bytes or `rss_bytes`); None where /proc has no answer."""
+CGROUP = Path("/sys/fs/cgroup")  # cgroup v2's unified hierarchy, as a container sees its own group
+
+
+def _cgroup_cpus(root: Path = CGROUP) -> int | None:
+    """The cgroup's CPU quota in whole cores (cpu.max "quota period", rounded up), None without one."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def _memory(rss_bytes: int | None, root: Path = CGROUP) -> tuple[int | None, int]:
+    """(available bytes, this process's resident bytes or `rss_bytes`). Available: MemAvailable, or
+    less where the cgroup's memory.max leaves less (a container's /proc/meminfo shows the host's);
+    None where neither answers."""
     rss = rss_bytes
+    available = None
     try:
         if rss is None:
             rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, rss
+                available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None, rss or 0
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((root / "memory.current").read_text())
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available, rss or 0
 
 
 class Claims:

@@ -100,6 +100,25 @@ def test_a_held_lock_keeps_a_second_compiler_from_starting(tmp_path) -> None:
         assert bad.returncode == 2 and "usage" in bad.stderr, (args, bad.stderr)
 
 
+def test_a_containers_cgroup_limits_bound_the_compile_workers(tmp_path, monkeypatch) -> None:
+    """Inside a pod /proc/meminfo shows the host: the cgroup's memory.max minus memory.current and its
+    cpu.max quota bound the helpers instead; "max" (no limit) or no cgroup files leave the machine's."""
+    assert precompile._cgroup_cpus(tmp_path) is None  # no cgroup files
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert precompile._cgroup_cpus(tmp_path) == 3
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert precompile._cgroup_cpus(tmp_path) is None
+    (tmp_path / "memory.max").write_text(f"{4 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")
+    available, rss = precompile._memory(2**30, tmp_path)
+    assert (
+        rss == 2**30 and available is not None and available <= 2**30
+    )  # the pod's 1 GiB left, not the host's
+    (tmp_path / "memory.max").write_text("max\n")
+    available, _ = precompile._memory(2**30, tmp_path)
+    assert available is None or available > 2**30  # the machine's MemAvailable (None without /proc)
+
+
 def test_each_warm_up_batch_is_claimed_by_one_process_of_its_session(tmp_path) -> None:
     """Side-by-side compilers split the warm-up by claiming batches: the first claim of a batch wins,
     another session (token) claims independently, and release removes only its own session's files."""
@@ -123,6 +142,8 @@ def test_compile_workers_one_per_core_batch_and_engine_copy_that_memory_holds(mo
     assert precompile.compile_workers(3, rss_bytes=2**20) == 3  # the batches
     assert precompile.compile_workers(12, rss_bytes=3 * 2**30) == 3  # itself + two copies in 80 % of 10 GiB
     assert precompile.compile_workers(12, rss_bytes=20 * 2**30) == 1  # no copy fits: no helper
+    monkeypatch.setattr(precompile, "_cgroup_cpus", lambda: 3)  # a pod's CPU limit of 2.5 cores
+    assert precompile.compile_workers(12, rss_bytes=2**20) == 3
     monkeypatch.setenv(precompile.WORKERS_ENV, "5")
     assert precompile.compile_workers(12) == 5
     assert precompile.compile_workers(2) == 2
