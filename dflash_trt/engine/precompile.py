@@ -297,6 +297,10 @@ def warm_up_shared(engine: Any, request: PrecompileRequest, directory: Path) -> 
     try:
         if procs:
             engine.warm_up(claims)
+    except BaseException:  # a failed or interrupted compile: the helpers' shares are not wanted either
+        for proc in procs:
+            proc.terminate()
+        raise
     finally:
         wait_helpers(procs)
         claims.release()

@@ -217,3 +217,35 @@ def test_shape_rules_set_the_setting_only_inside_and_restore_it_on_errors():
     with compile_mod.compile_rules():
         assert fx_config.backed_size_oblivious is True and fx_config.use_duck_shape is False
     assert fx_config.backed_size_oblivious == before
+
+
+def test_a_failed_share_stops_the_helpers_and_releases_the_claims(monkeypatch, tmp_path) -> None:
+    """A compile that fails (or is interrupted) in the starting process stops its helpers instead of
+    waiting minutes for shares nobody will use, and leaves no claims behind."""
+    from types import SimpleNamespace
+
+    class Helper:
+        pid, returncode, terminated = 4242, None, False
+
+        def terminate(self) -> None:
+            self.terminated = True
+
+        def wait(self) -> int:
+            self.returncode = -15 if self.terminated else 0
+            return self.returncode
+
+    started = [Helper()]
+    monkeypatch.setattr(precompile, "helpers", lambda request, claims, workers: started)
+    monkeypatch.setattr(precompile, "compile_workers", lambda batches: 2)
+
+    def warm_up(claim=None) -> float:
+        assert claim is not None and claim(0)  # its own first batch, then the compiler fails
+        raise RuntimeError("inductor failed")
+
+    rounds = SimpleNamespace(on_disk=lambda keys: False, compiled=0, helped=0)
+    engine = SimpleNamespace(runner=SimpleNamespace(rounds=rounds), warm_up_classes=lambda: [("k",)],
+                             warm_up_size=lambda: 2, warm_up=warm_up)  # fmt: skip
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        precompile.warm_up_shared(engine, None, tmp_path)
+    assert started[0].terminated and started[0].returncode == -15
+    assert not list(tmp_path.glob(".claim-*"))
