@@ -107,8 +107,9 @@ def main() -> None:
     )
     keep = ("bytecode_tracing", "aot_collect_metadata", "GraphLowering.run", "Scheduler.__init__",
             "Scheduler.codegen", "compile_file", "async_compile.wait", "PyCodeCache.load_by_key_path")  # fmt: skip
+    phases = {k: sum(compilation_time_metrics[k]) for k in keep if k in compilation_time_metrics}
     print("torch's split (s, this process's classes; nested phases overlap):",
-          ", ".join(f"{k} {sum(compilation_time_metrics[k]):.1f}" for k in keep if k in compilation_time_metrics))  # fmt: skip
+          ", ".join(f"{k} {s:.1f}" for k, s in phases.items()))  # fmt: skip
     if not args.cache_dir and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     else:

@@ -2,11 +2,11 @@
 """Compiling an engine's rounds in a process of its own, while the engine serves eagerly.
 
 A cold compile of every shape class takes minutes on a small CPU (about five for `tiny`'s twelve
-classes on 2 cores, side by side). Rather than keep a server unready that long, `LLM` starts this module as a child process
-when the compile cache lacks a class the warm-up needs: the child builds the same engine (same models,
-sizes and dtype, so the same fingerprint, engine/compile.py), compiles every warm-up class and saves
-it into the cache; the serving engine runs those classes eagerly until each one appears on disk, then
-loads it (`RoundCache.refresh`) and runs it compiled. The child runs at a lower CPU priority, ends
+classes on 2 cores, side by side). Rather than keep a server unready that long, `LLM` starts this
+module as a child process when the compile cache lacks a class the warm-up needs: the child builds
+the same engine (same models, sizes and dtype, so the same fingerprint, engine/compile.py), compiles
+every warm-up class and saves it into the cache; the serving engine runs those classes eagerly until
+each one appears on disk, then loads it (`RoundCache.refresh`) and runs it compiled. The child runs at a lower CPU priority, ends
 with its parent, and holds a lock on the cache directory so that two servers of one bundle do not
 compile the same classes twice. Its log is `precompile.log` in that directory.
 
