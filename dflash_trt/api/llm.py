@@ -583,15 +583,11 @@ def _start_compiled(engine: Any, request: Callable[[Any], Any]) -> Any:
 
     rounds = engine.runner.rounds
     classes = engine.warm_up_classes()
-    foreground = (
-        engine.device.type != "cpu"
-        or os.environ.get(BACKGROUND_ENV, "1") == "0"
-        or not saves_compiled_rounds()  # a background process could not hand its rounds over
-    )
-    if rounds.directory is None or rounds.on_disk(classes) or foreground:
-        # helpers compile beside this process where they can hand their rounds over (engine/precompile.py)
-        shared = engine.device.type == "cpu" and rounds.directory is not None and saves_compiled_rounds()
-        _warm_up_compiled(engine, request if shared else None)
+    # Whether other processes (a background compiler, or helpers beside this one: engine/precompile.py)
+    # can compile for this engine: on the CPU, into a cache directory, with a torch that saves rounds.
+    handed_over = engine.device.type == "cpu" and rounds.directory is not None and saves_compiled_rounds()
+    if not handed_over or rounds.on_disk(classes) or os.environ.get(BACKGROUND_ENV, "1") == "0":
+        _warm_up_compiled(engine, request if handed_over else None)
         return None
     engine.runner.freeze_compiled()  # nothing compiles in this process: rounds run eagerly until loaded
     rounds.expect(classes)

@@ -300,6 +300,9 @@ def warm_up_shared(engine: Any, request: PrecompileRequest, directory: Path) -> 
     except BaseException:  # a failed or interrupted compile: the helpers' shares are not wanted either
         for proc in procs:
             proc.terminate()
+        for proc in procs:
+            proc.wait()
+        procs = []
         raise
     finally:
         wait_helpers(procs)
