@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from script_args import positive_ints
+from timing import best_loop
 
 from dflash_trt.bench.shapes import SHAPES
 from dflash_trt.utils.device import cpu_model_name
@@ -70,17 +71,6 @@ def _linear(w: Any, x: Any) -> Any:
     return torch.nn.functional.linear(x, w)
 
 
-def _best(fn: Any, reps: int, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-0.3b", help=f"one of {', '.join(SHAPES)}")
@@ -112,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = "oneDNN prepacked bf16" if dtype == torch.bfloat16 else "torch fp32 (MKL) on fp32 weights"
     torch.set_num_threads(args.threads)
     big = torch.ones(int(args.bandwidth_gib * 2**30) // 2, dtype=torch.bfloat16)
-    secs = _best(big.sum, 5, 1)
+    secs = best_loop(big.sum, 5, 1)
     bandwidth = big.numel() * 2 / secs / 1e9
     del big
     config = {
@@ -139,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline": (functools.partial(base, x), base_bytes),
             }
             for kernel, (fn, itemsize) in runs.items():
-                t = _best(fn, reps, args.repeats)
+                t = best_loop(fn, reps, args.repeats)
                 row[f"{kernel}_us"] = t * 1e6
                 row[f"{kernel}_gb_s"] = n * k * itemsize / t / 1e9
                 row[f"{kernel}_max_err"] = float((fn().float() - want).abs().max())

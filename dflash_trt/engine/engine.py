@@ -36,7 +36,7 @@ from dflash_trt.engine.runner import ModelRunner, RoundShape, round_flags
 from dflash_trt.engine.scheduler import Scheduler
 from dflash_trt.engine.tree_budget import BudgetPolicy
 from dflash_trt.errors import ConfigError, RequestError
-from dflash_trt.layers import cpu_gemm
+from dflash_trt.layers import cpu_attention, cpu_gemm
 from dflash_trt.layers.kv_cache import PagedKVCache, pages_for
 from dflash_trt.layers.linear import pack_linears
 from dflash_trt.models.checkpoint import load_drafter
@@ -107,6 +107,7 @@ class LLMEngine:
             self.drafter.fuse_projections()
         self.packed_weights = self._pack_weights(config, float32=device.type == "cpu" and dtype == torch.float32
                                                  and tcfg.hidden_size >= BF16_MIN_HIDDEN_CPU)  # fmt: skip
+        self.paged_attention = self._enable_paged_attention(config, device=device, dtype=dtype)
         num_pages = self._plan_pages(dtype)
         self.num_kv_pages = num_pages - 1  # page 0 is the padding page
         self.scheduler = Scheduler(
@@ -160,6 +161,22 @@ class LLMEngine:
             compute = torch.float32 if float32 else torch.bfloat16
             kind = "dflash-trt's CPU GEMM" if cpu_gemm.available(compute) else "oneDNN"
             log.info("prepacked %d weights as bf16 (%s, %s compute)", count, kind, str(compute)[6:])
+        return count
+
+    def _enable_paged_attention(
+        self, config: EngineConfig, *, device: torch.device, dtype: torch.dtype
+    ) -> int:
+        """On CPU, decode rounds' attention reads the paged caches in place (layers/cpu_attention.py), in
+        both models. Not with the drafting plugin, which has its own attention kernels. Returns how many
+        attention modules were switched."""
+        if config.use_plugins:
+            return 0
+        count = cpu_attention.enable(self.target, device=device, dtype=dtype)
+        if self.drafter is not None:
+            count += cpu_attention.enable(self.drafter, device=device, dtype=dtype)
+        if count:
+            log.info("decode attention reads the paged KV caches in place (%d layers, dflash_cpu::paged_attention)",
+                     count)  # fmt: skip
         return count
 
     def _load_drafter(

@@ -274,6 +274,13 @@ class ModelRunner:
             "packed_f32": sum(
                 b.dim() == 3 for m in (self.target, self.drafter) if m is not None for b in m.buffers()
             ),
+            # which attention modules read the paged caches in place: DFLASH_TRT_CPU_ATTENTION changes them
+            "paged_attention": sum(
+                bool(getattr(a, "paged_kernel", False))
+                for m in (self.target, self.drafter)
+                if m is not None
+                for a in m.modules()
+            ),
         }
 
     def freeze_compiled(self) -> None:
@@ -701,6 +708,7 @@ class ModelRunner:
             kv_slots,
             ctx_idx,
             tap_layers=self.tap_layers,
+            paged=True,
         )  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
         self._keep_pending(taps, rows)
         return logits
@@ -733,6 +741,7 @@ class ModelRunner:
             ctx_idx,
             tap_layers=self.tap_layers,
             block_mask=tree.visibility,
+            paged=True,
         )
         return logits, taps, node_slots
 

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Scaled dot-product attention over gathered K/V, with grouped query heads and optional sinks.
+"""Scaled dot-product attention over a paged KV cache or gathered K/V, with grouped query heads and
+optional sinks.
 
-One function for the target's and the drafter's attention, so that the choice of kernel is made in
-one place. On CPU in bfloat16, torch's fused SDPA kernel is slow for the few query rows of a decode
+`attend_paged` is the target's and the drafter's attention over their paged caches: on CPU, where
+the model enabled it (layers/cpu_attention.py), dflash-trt's operator reads the pool in place;
+elsewhere the context's K/V is gathered and goes to `attend`. One place for the choice of kernel. On CPU in bfloat16, torch's fused SDPA kernel is slow for the few query rows of a decode
 step or a DFlash block (bs=8, one query over 64 keys: ~1 ms against ~0.25 ms for two batched GEMMs
 and a softmax; 2 vCPU AMD EPYC, torch 2.13): there the scores are computed as GEMMs in float32 and
 normalised in float32 (the accuracy of the fused kernel), then applied to V in bfloat16. Long query
@@ -17,6 +19,36 @@ from torch.nn import functional as F
 # Query rows per request up to which the GEMM form is used on CPU in bfloat16 (a DFlash block of 16
 # rows verifies, a decode step has 1). Beyond it (prefill chunks) the fused kernel is faster.
 MAX_GEMM_QUERY_ROWS = 32
+
+
+def attend_paged(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    ctx_index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    kernel: bool = False,
+) -> torch.Tensor:
+    """q: [bs, T, H, d] (token-major, as projected); k_pool, v_pool: one layer's pool [slots, Hkv, d];
+    ctx_index: [bs, Lc] the pool slots of each sequence's context columns; k_new, v_new: [bs, B, Hkv, d]
+    keys after the context that are not in the pool (the drafter's block), or None; mask: bool
+    [bs, 1, T or 1, Lc (+ B)], True = visible. Returns [bs, T, H, d].
+
+    kernel: read the pool in place with `dflash_cpu::paged_attention` (CPU, float32 or bfloat16, no
+    sinks; the caller's module was enabled by `cpu_attention.enable`, which loaded the operator).
+    Otherwise the context is gathered into [bs, Hkv, Lc (+ B), d] and attended with `attend`."""
+    if kernel:
+        return torch.ops.dflash_cpu.paged_attention(q, k_pool, v_pool, ctx_index, k_new, v_new, mask, scale)
+    k, v = k_pool[ctx_index], v_pool[ctx_index]  # [bs, Lc, Hkv, d]
+    if k_new is not None and v_new is not None:
+        k, v = torch.cat([k, k_new], dim=1), torch.cat([v, v_new], dim=1)
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sinks)
+    return out.transpose(1, 2)
 
 
 def attend(

@@ -21,11 +21,9 @@ Layout. A weight [N, K] is packed once, at load, as bf16 [ceil(N/16), K/2, 16, 2
 columns with K in pairs (one 64-byte load = one K-pair for 16 outputs). K must be even; N is padded.
 
 Build. Each C source beside this module is compiled at first use with the C compiler ($CC, else gcc
-or cc: the one inductor needs anyway) into $DFLASH_TRT_KERNEL_CACHE or ~/.cache/dflash-trt/kernels,
-under a digest of the source, the flags and the compiler's version; written to a temporary name and
-renamed, so concurrent processes never load half a file. Without the CPU features, a compiler or a
-writable cache a kernel is unavailable and callers keep oneDNN / MKL. DFLASH_TRT_CPU_GEMM=0 turns both
-off.
+or cc: the one inductor needs anyway) into the kernel cache (layers/native.py). Without the CPU
+features, a compiler or a writable cache a kernel is unavailable and callers keep oneDNN / MKL.
+DFLASH_TRT_CPU_GEMM=0 turns both off.
 """
 
 from __future__ import annotations
@@ -33,27 +31,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from dflash_trt.layers import native
 from dflash_trt.utils.device import cpu_flags
 from dflash_trt.utils.env import scoped_env
 
 log = logging.getLogger(__name__)
 
 SWITCH_ENV = "DFLASH_TRT_CPU_GEMM"  # "0": oneDNN's / MKL's GEMMs everywhere
-CACHE_ENV = "DFLASH_TRT_KERNEL_CACHE"
-DEFAULT_CACHE = Path("~/.cache/dflash-trt/kernels")
 BLOCK = 16  # output columns per packed block
 
 
@@ -164,48 +158,8 @@ def _entry(kernel: _Kernel) -> Any:
 
 def _build(kernel: _Kernel) -> Path:
     """The shared library for this source, flags and compiler: from the cache, or compiled now."""
-    cc = _compiler("CC", ("gcc", "cc"), "no C compiler on PATH (set CC or install gcc)")
-    return _compiled_library(cc, Path(__file__).with_name(kernel.source), kernel.cc_flags)
-
-
-def _compiler(env: str, names: tuple[str, ...], missing: str) -> str:
-    """$env, else the first of `names` on PATH; RuntimeError(missing) when there is none."""
-    found = os.environ.get(env) or next((c for c in names if shutil.which(c)), None)
-    if found is None or shutil.which(found) is None:
-        raise RuntimeError(missing)
-    return found
-
-
-def _compiled_library(
-    compiler: str, source: Path, flags: Sequence[str], libs: Sequence[str] = (), salt: bytes = b""
-) -> Path:
-    """`source` built into a shared library in the kernel cache, under a digest of the source, the
-    flags, the compiler's version and `salt`: from the cache, or compiled now (to a temporary name,
-    then renamed: concurrent processes never load half a file)."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    digest = hashlib.sha256(source.read_bytes() + repr(flags).encode() + version.encode() + salt)
-    root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    path = root / f"{source.stem}-{digest.hexdigest()[:16]}.so"
-    if path.is_file():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{source.stem}-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{compiler} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
-            )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built dflash_trt's CPU GEMM: %s", path)
-    return path
+    cc = native.compiler("CC", ("gcc", "cc"), "no C compiler on PATH (set CC or install gcc)")
+    return native.compiled_library(cc, Path(__file__).with_name(kernel.source), kernel.cc_flags)
 
 
 # --- fp32: a torch operator of our own (gemm_f32_op.cpp) -----------------------------------------------
@@ -252,13 +206,4 @@ def _load_f32_op() -> bool:
 
 def _build_f32_op() -> Path:
     """The operator's shared library for this source, torch and compiler: from the cache, or built now."""
-    from torch.utils import cpp_extension
-
-    cxx = _compiler("CXX", ("g++", "c++"), "no C++ compiler on PATH (set CXX or install g++)")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-O3", "-mavx512f", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
-    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
-    return _compiled_library(
-        cxx, Path(__file__).with_name(F32_OP_SOURCE), flags, libs, torch.__version__.encode()
-    )
+    return native.torch_op_library(Path(__file__).with_name(F32_OP_SOURCE), ("-mavx512f",))

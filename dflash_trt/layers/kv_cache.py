@@ -69,10 +69,6 @@ class PagedKVCache:
         """slots: [N] long; k, v: [N, Hkv, d]."""
         store_kv(self.k[layer], self.v[layer], slots, k, v)
 
-    def gather(self, layer: int, token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """token_index: [bs, L] slots (see `context_index`) -> k, v: [bs, L, Hkv, d]."""
-        return self.k[layer][token_index], self.v[layer][token_index]
-
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V at slots `src` [N] to slots `dst` [N] (DDTree commit: the accepted
         nodes move to the slots of positions start..start + a).

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trt.layers.attention import attend
+from dflash_trt.layers.attention import attend_paged
 from dflash_trt.layers.kv_cache import PagedKVCache, store_kv
 from dflash_trt.layers.linear import FusedLinear, Linear
 from dflash_trt.layers.masks import block_visibility_mask, visibility_mask
@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         self.layer = layer
         self.qkv: FusedLinear | None = None
+        self.paged_kernel = False  # dflash_cpu::paged_attention for decode rounds (cpu_attention.enable)
 
     def fuse(self) -> None:
         """Run q, k and v as one GEMM from now on (inference; see layers/linear.py)."""
@@ -70,9 +71,11 @@ class Attention(nn.Module):
         slots: torch.Tensor,
         ctx_index: torch.Tensor,
         mask: torch.Tensor,
+        paged: bool = False,
     ) -> torch.Tensor:
         """x: [bs, T, D]; cos/sin: [bs, T, d]; k_pool/v_pool: this layer's paged K/V [slots, Hkv, d];
-        slots: [bs, T]; ctx_index: [bs, Lc]; mask: [bs, 1, T, Lc]."""
+        slots: [bs, T]; ctx_index: [bs, Lc]; mask: [bs, 1, T, Lc]; paged: a decode round's few query
+        rows, which read the pool in place where the kernel is enabled (prompt chunks gather it)."""
         bs, t, _ = x.shape
         q, k, v = self.project_qkv(x)  # [bs, T, H, d], [bs, T, Hkv, d] x 2
         if self.q_norm is not None and self.k_norm is not None:
@@ -80,10 +83,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(k_pool, v_pool, slots.reshape(-1), k.reshape(bs * t, self.num_kv_heads, self.head_dim),
                  v.reshape(bs * t, self.num_kv_heads, self.head_dim))  # fmt: skip
-        ck, cv = k_pool[ctx_index], v_pool[ctx_index]  # [bs, Lc, Hkv, d]
-        qh, kh, vh = q.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2)
-        out = attend(qh, kh, vh, mask, scale=self.head_dim**-0.5, sinks=self.sinks)
-        return self.o_proj(out.transpose(1, 2).reshape(bs, t, self.num_heads * self.head_dim))
+        out = attend_paged(q, k_pool, v_pool, ctx_index, mask, scale=self.head_dim**-0.5, sinks=self.sinks,
+                           kernel=paged and self.paged_kernel)  # fmt: skip
+        return self.o_proj(out.reshape(bs, t, self.num_heads * self.head_dim))
 
 
 class Router(nn.Module):
@@ -151,8 +153,11 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
         )
 
-    def forward(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask):  # shapes as in Attention.forward
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, slots, ctx_index, mask)
+    def forward(
+        self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged=False
+    ):  # as Attention.forward
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -209,6 +214,7 @@ class NativeTarget(nn.Module):
         tap_layers: Sequence[int] | None = None,
         logits_index: torch.Tensor | None = None,
         block_mask: torch.Tensor | None = None,
+        paged: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run new tokens and return (logits, taps).
 
@@ -221,6 +227,8 @@ class NativeTarget(nn.Module):
         themselves ([i, j] = row i sees row j; a tree: ancestors and itself). Then row i's K/V must sit
         at cache column seq_lens - T + i (positions may repeat: they are the nodes' depths past the
         anchor), and every column before seq_lens - T stays visible as past context. None = causal.
+        paged: a decode round (few rows per sequence): attention reads the pool in place where the
+        model's attention was enabled for it (layers/cpu_attention.py); prompt chunks gather the context.
         """
         bs, _ = input_ids.shape
         lc = ctx_index.shape[1]
@@ -240,7 +248,7 @@ class NativeTarget(nn.Module):
                 assert block_mask is not None
                 start = seq_lens - input_ids.shape[1]  # column of row 0's K/V
                 masks[window] = block_visibility_mask(positions, k_valid, start, block_mask, window=window)
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, ctx_index, masks[window])
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, ctx_index, masks[window], paged)
             if i in wanted:
                 taps[i] = x
         h = self.model.norm(x)

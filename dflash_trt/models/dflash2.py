@@ -113,9 +113,10 @@ class DFlash2DraftLayer(DraftLayer):
     def convs(self) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv]:
         return self.attention_conv, self.mlp_conv
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # shapes as in DraftAttention.forward
+    def forward(self, x, cos, sin, k_pool, v_pool, ctx_index, mask):  # shapes as in DraftAttention.forward
         h, coeff = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, ctx_k, ctx_v, mask), coeff)
+        attn = self.self_attn(h, cos, sin, k_pool, v_pool, ctx_index, mask)
+        x = x + self.attention_conv.finish(attn, coeff)
         h, coeff = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(h), coeff)
 

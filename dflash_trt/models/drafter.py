@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trt.layers.attention import attend
+from dflash_trt.layers.attention import attend_paged
 from dflash_trt.layers.kv_cache import PagedKVCache
 from dflash_trt.layers.linear import FusedLinear, Linear, is_packed, linear
 from dflash_trt.layers.masks import visibility_mask
@@ -55,6 +55,7 @@ class DraftAttention(nn.Module):
         # After fuse(): [q; k; v] for the block and [k; v] (a view of its rows) for the context.
         self.qkv: FusedLinear | None = None
         self.kv: FusedLinear | None = None
+        self.paged_kernel = False  # dflash_cpu::paged_attention (cpu_attention.enable)
 
     def fuse(self) -> None:
         """Run the block's q/k/v and the context's k/v as one GEMM each (inference only)."""
@@ -92,18 +93,19 @@ class DraftAttention(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        ctx_index: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """h: [bs, B, D] (input-normalised block); cos/sin: [bs, B, d];
-        ctx_k/ctx_v: [bs, Lc, Hkv, d] cached context; mask: [bs, 1, B or 1, Lc + B] bool."""
+        """h: [bs, B, D] (input-normalised block); cos/sin: [bs, B, d]; k_pool/v_pool: this layer's
+        draft-cache pool [slots, Hkv, d]; ctx_index: [bs, Lc] the context's slots; mask: [bs, 1, B or 1,
+        Lc + B] bool (context columns, then the block's)."""
         bs, blk, _ = h.shape
         q, k_blk, v_blk = self.project_block(h, cos, sin)  # [bs, B, H, d], [bs, B, Hkv, d] x 2
-        k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
-        v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        out = attend(q.transpose(1, 2), k, v, mask, scale=self.head_dim**-0.5)  # [bs, H, B, d]
-        return self.o_proj(out.transpose(1, 2).reshape(bs, blk, self.num_heads * self.head_dim))
+        out = attend_paged(q, k_pool, v_pool, ctx_index, mask, scale=self.head_dim**-0.5, k_new=k_blk,
+                           v_new=v_blk, kernel=self.paged_kernel)  # fmt: skip
+        return self.o_proj(out.reshape(bs, blk, self.num_heads * self.head_dim))
 
 
 class DraftLayer(nn.Module):
@@ -121,8 +123,8 @@ class DraftLayer(nn.Module):
         """A DFlash 2 layer's (attention_conv, mlp_conv); None for a v1 layer."""
         return None
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # shapes as in DraftAttention.forward
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, k_pool, v_pool, ctx_index, mask):  # shapes as in DraftAttention.forward
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, ctx_index, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -267,8 +269,7 @@ class DFlashDrafter(nn.Module):
                     masks[key] = visibility_mask(
                         block_positions, k_pos, k_valid, causal=layer.causal, window=layer.window
                     )
-            ctx_k, ctx_v = cache.gather(i, ctx_index)  # [bs, Lc, Hkv, d]
-            x = layer(x, cos, sin, ctx_k, ctx_v, masks[key])
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], ctx_index, masks[key])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

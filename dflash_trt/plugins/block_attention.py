@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from dflash_trt.layers.attention import attend
+from dflash_trt.layers.attention import attend_paged
 from dflash_trt.layers.masks import visibility_mask
 from dflash_trt.plugins import _registry as reg
 from dflash_trt.plugins._registry import jit, tl
@@ -43,7 +43,7 @@ DEFAULT_BLOCK_N = 64  # context keys per tile (untuned: see bench/plugin_kernels
 MAX_SPLITS = 64
 
 
-# --- the PyTorch reference: exactly the drafter's per-layer math (gather + attend) ----------------
+# --- the PyTorch reference: exactly the drafter's per-layer math (attend_paged's gather path) -------
 def block_attention_reference(
     q: torch.Tensor,
     k_block: torch.Tensor,
@@ -61,7 +61,6 @@ def block_attention_reference(
     bs, blk = q.shape[:2]
     lc = ctx_index.shape[1]
     dev = q.device
-    ctx_k, ctx_v = k_cache[ctx_index], v_cache[ctx_index]  # [bs, Lc, Hkv, d]
     j = torch.arange(blk, device=dev)
     q_pos = ctx_lens[:, None] + j  # [bs, B]
     ctx_pos = torch.arange(lc, device=dev).expand(bs, lc)  # [bs, Lc]
@@ -71,10 +70,8 @@ def block_attention_reference(
         mask = k_valid[:, None, None, :]  # [bs, 1, 1, Lc + B]
     else:
         mask = visibility_mask(q_pos, k_pos, k_valid, causal=causal, window=window or None)
-    k = torch.cat([ctx_k, k_block], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + B, d]
-    v = torch.cat([ctx_v, v_block], dim=1).transpose(1, 2)
-    out = attend(q.transpose(1, 2), k, v, mask, scale=scale)  # [bs, H, B, d]
-    return out.transpose(1, 2).contiguous()
+    out = attend_paged(q, k_cache, v_cache, ctx_index, mask, scale=scale, k_new=k_block, v_new=v_block)
+    return out.contiguous()
 
 
 # --- Triton kernels ---------------------------------------------------------------------------

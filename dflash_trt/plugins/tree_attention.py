@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from dflash_trt.layers.attention import attend
+from dflash_trt.layers.attention import attend_paged
 from dflash_trt.plugins import _registry as reg
 from dflash_trt.plugins._registry import jit, tl
 
@@ -72,10 +72,10 @@ def tree_attention_reference(
         ctx_vis = ctx_vis & (q_pos[:, :, None] - ctx_pos[:, None, :] < window)
         tree_vis = tree_vis & (depths[:, :, None] - depths[:, None, :] < window)
     mask = torch.cat([ctx_vis, tree_vis], dim=2)[:, None]  # [bs, 1, T, Lc + T]
-    k = torch.cat([k_cache[ctx_index], k_tree], dim=1).transpose(1, 2)  # [bs, Hkv, Lc + T, d]
-    v = torch.cat([v_cache[ctx_index], v_tree], dim=1).transpose(1, 2)
-    out = attend(q.transpose(1, 2), k, v, mask, scale=scale, sinks=sinks)  # [bs, H, T, d]
-    return out.transpose(1, 2).contiguous()
+    out = attend_paged(
+        q, k_cache, v_cache, ctx_index, mask, scale=scale, sinks=sinks, k_new=k_tree, v_new=v_tree
+    )
+    return out.contiguous()
 
 
 # --- Triton kernels ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash_trt import LLM, SamplingParams
-from dflash_trt.layers import cpu_gemm
+from dflash_trt.layers import cpu_gemm, native
 from dflash_trt.layers import linear as linear_mod
 from dflash_trt.layers.attention import attend
 from dflash_trt.layers.linear import Linear, can_pack, pack_linears
@@ -121,7 +121,7 @@ def test_dflash_gemm_builds_once_into_its_cache(kernel, tmp_path, monkeypatch) -
 
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    monkeypatch.setenv(cpu_gemm.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     first = cpu_gemm._build(kernel)
     stamp = first.stat().st_mtime_ns
     assert cpu_gemm._build(kernel) == first and first.stat().st_mtime_ns == stamp

@@ -59,7 +59,7 @@ def test_op_equals_the_native_targets_tree_attention(tmp_path, arch, monkeypatch
 
     original = Attention.forward
 
-    def with_op(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask):
+    def with_op(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged=False):
         bsz, t, _ = x.shape
         q, k, v = self.project_qkv(x)
         if self.q_norm is not None:

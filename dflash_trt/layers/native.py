@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building dflash-trt's own CPU code (the C kernels and C++ torch operators beside this module) into
+shared libraries, at first use, into a per-machine cache.
+
+The cache is $DFLASH_TRT_KERNEL_CACHE or ~/.cache/dflash-trt/kernels. A library is named by a digest of
+its source, its flags, the compiler's version (and, for a torch operator, torch's version), so an edit
+or an upgrade builds a new one. It is written to a temporary name and renamed: concurrent processes
+never load half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "DFLASH_TRT_KERNEL_CACHE"
+DEFAULT_CACHE = Path("~/.cache/dflash-trt/kernels")
+
+
+def compiler(env: str, names: tuple[str, ...], missing: str) -> str:
+    """$env, else the first of `names` on PATH; RuntimeError(missing) when there is none."""
+    found = os.environ.get(env) or next((c for c in names if shutil.which(c)), None)
+    if found is None or shutil.which(found) is None:
+        raise RuntimeError(missing)
+    return found
+
+
+def compiled_library(
+    compiler: str, source: Path, flags: Sequence[str], libs: Sequence[str] = (), salt: bytes = b""
+) -> Path:
+    """`source` built into a shared library in the kernel cache, under a digest of the source, the
+    flags, the compiler's version and `salt`: from the cache, or compiled now."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    digest = hashlib.sha256(source.read_bytes() + repr(flags).encode() + version.encode() + salt)
+    root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    path = root / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{compiler} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
+            )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built dflash_trt's CPU code: %s", path)
+    return path
+
+
+def torch_op_library(source: Path, isa_flags: Sequence[str]) -> Path:
+    """A C++ torch operator's shared library (g++ or $CXX, torch's headers and libraries, `isa_flags`
+    such as -mavx512f): from the cache, or built now (~10-20 s, once per source, torch and compiler)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    cxx = compiler("CXX", ("g++", "c++"), "no C++ compiler on PATH (set CXX or install g++)")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O3", *isa_flags, "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
+    return compiled_library(cxx, source, flags, libs, torch.__version__.encode())
