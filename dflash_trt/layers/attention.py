@@ -4,7 +4,9 @@ optional sinks.
 
 `attend_paged` is the target's and the drafter's attention over their paged caches: on CPU, where
 the model enabled it (layers/cpu_attention.py), dflash-trt's operator reads the pool in place;
-elsewhere the context's K/V is gathered and goes to `attend`. One place for the choice of kernel. On CPU in bfloat16, torch's fused SDPA kernel is slow for the few query rows of a decode
+elsewhere the context's K/V is gathered and goes to `attend`. One place for the choice of kernel.
+
+`attend`: on CPU in bfloat16, torch's fused SDPA kernel is slow for the few query rows of a decode
 step or a DFlash block (bs=8, one query over 64 keys: ~1 ms against ~0.25 ms for two batched GEMMs
 and a softmax; 2 vCPU AMD EPYC, torch 2.13): there the scores are computed as GEMMs in float32 and
 normalised in float32 (the accuracy of the fused kernel), then applied to V in bfloat16. Long query

@@ -153,9 +153,8 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
         )
 
-    def forward(
-        self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged=False
-    ):  # as Attention.forward
+    def forward(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged=False):
+        """Shapes as in Attention.forward."""
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged)
         return x + self.mlp(self.post_attention_layernorm(x))
