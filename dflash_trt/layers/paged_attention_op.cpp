@@ -262,6 +262,19 @@ void run(const Args<T> &a) {
   });
 }
 
+// The checked tensors of one call as raw pointers and sizes (kn, vn undefined: no keys past the context).
+template <typename T>
+void launch(const at::Tensor &q, const at::Tensor &k_pool, const at::Tensor &v_pool, const at::Tensor &kn,
+            const at::Tensor &vn, const at::Tensor &ctx, const at::Tensor &mask, at::Tensor &out, float scale) {
+  const auto ptr = [](const at::Tensor &x) -> const T * { return x.defined() ? x.data_ptr<T>() : nullptr; };
+  const Args<T> a{q.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), ptr(kn), ptr(vn),
+                  ctx.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<T>(),
+                  q.size(0), q.size(1), q.size(2), k_pool.size(1), q.size(3), ctx.size(1),
+                  kn.defined() ? kn.size(1) : 0, k_pool.size(0),
+                  mask.stride(0), mask.size(2) == 1 ? 0 : mask.stride(2), mask.stride(3), scale};
+  run(a);
+}
+
 at::Tensor paged_attention(const at::Tensor &q_in, const at::Tensor &k_pool, const at::Tensor &v_pool,
                            const at::Tensor &ctx_index, const std::optional<at::Tensor> &k_new,
                            const std::optional<at::Tensor> &v_new, const at::Tensor &mask, double scale) {
@@ -293,23 +306,11 @@ at::Tensor paged_attention(const at::Tensor &q_in, const at::Tensor &k_pool, con
               op, "mask has shape ", mask.sizes(), " for T=", t, " and ", lc + b, " keys");
   at::Tensor out = at::empty({bs, t, h, d}, q.options());
   if (bs == 0 || t == 0) return out;
-  const long m_t = mask.size(2) == 1 ? 0 : mask.stride(2);
   if (q.scalar_type() == at::kFloat) {
-    Args<float> a{q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                  kn.defined() ? kn.data_ptr<float>() : nullptr, vn.defined() ? vn.data_ptr<float>() : nullptr,
-                  ctx.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<float>(),
-                  bs, t, h, hkv, d, lc, b, k_pool.size(0), mask.stride(0), m_t, mask.stride(3),
-                  static_cast<float>(scale)};
-    run(a);
+    launch<float>(q, k_pool, v_pool, kn, vn, ctx, mask, out, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, op, "float32 or bfloat16 only, not ", q.scalar_type());
-    using B16 = at::BFloat16;
-    Args<B16> a{q.data_ptr<B16>(), k_pool.data_ptr<B16>(), v_pool.data_ptr<B16>(),
-                kn.defined() ? kn.data_ptr<B16>() : nullptr, vn.defined() ? vn.data_ptr<B16>() : nullptr,
-                ctx.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<B16>(),
-                bs, t, h, hkv, d, lc, b, k_pool.size(0), mask.stride(0), m_t, mask.stride(3),
-                static_cast<float>(scale)};
-    run(a);
+    launch<at::BFloat16>(q, k_pool, v_pool, kn, vn, ctx, mask, out, static_cast<float>(scale));
   }
   return out;
 }
