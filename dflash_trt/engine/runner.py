@@ -42,6 +42,7 @@ import torch
 from dflash_trt.engine.compile import PREFILL, ROUND, Core, RoundCache
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
 from dflash_trt.plugins import default_enabled
+from dflash_trt.spec import native_uniform
 from dflash_trt.spec.accept import greedy_accept, rejection_accept, rejection_accept_candidates
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
@@ -204,6 +205,8 @@ class ModelRunner:
                 device=self.device,
             )
         self.mask_token_id = drafter.mask_token_id if drafter is not None else 0
+        # sampled rounds' uniforms from dflash_rng::uniform on CPU (spec/native_uniform.py): same values
+        self.native_uniform = self.device.type == "cpu" and native_uniform.available()
         self._setup_graphs(cuda_graphs, graph_batch_sizes, static_rounds)
         self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
@@ -274,6 +277,8 @@ class ModelRunner:
             "packed_f32": sum(
                 b.dim() == 3 for m in (self.target, self.drafter) if m is not None for b in m.buffers()
             ),
+            # whether sampled rounds hash their uniforms in dflash_rng::uniform: DFLASH_TRT_CPU_UNIFORM
+            "native_uniform": self.native_uniform,
             # which attention modules read the paged caches in place: DFLASH_TRT_CPU_ATTENTION changes them
             "paged_attention": sum(
                 bool(getattr(a, "paged_kernel", False))
@@ -353,7 +358,7 @@ class ModelRunner:
                 any_greedy=any(s.temperature == 0 for s in reqs),
             )
             seeds = torch.tensor([s.seed for s in reqs], dtype=torch.long, device=dev)
-            u = uniform(seeds, seq_lens[:, None], PURPOSE_EMIT)[:, 0]
+            u = uniform(seeds, seq_lens[:, None], PURPOSE_EMIT, native=self.native_uniform)[:, 0]
             tokens = sample_from_probs(probs, u).tolist()
             firsts = [tok if d else None for tok, d in zip(tokens, done)]
         self._sync()
@@ -651,7 +656,7 @@ class ModelRunner:
             return _Drafted(argmax)
         vocab = d_logits.shape[-1]
         q_probs = sampling.probs(d_logits.reshape(bs * g, vocab), per_row=g).reshape(bs, g, vocab)
-        u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
+        u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT, native=self.native_uniform)
         sampled = sample_from_probs(q_probs.reshape(bs * g, vocab), u.reshape(-1)).reshape(bs, g)
         greedy = sampling.greedy_draft
         drafts = torch.where(greedy[:, None], argmax, sampled)
@@ -674,7 +679,7 @@ class ModelRunner:
         if sampling.all_greedy:  # no draws: skip hashing the uniforms
             u = torch.zeros(block_pos.shape[0], block_pos.shape[1] - 1, device=block_pos.device)
         else:
-            u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT)  # [bs, g]
+            u = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_DRAFT, native=self.native_uniform)
         proposal = propose(
             hidden=hidden, logits=logits, anchors=anchors, selector=self.drafter.selector,
             temperature=sampling.temps, greedy=sampling.greedy_draft, u=u, any_sampled=not sampling.all_greedy,
@@ -753,7 +758,7 @@ class ModelRunner:
         all_greedy, any_greedy, needs_filter = sampling.flags
         chosen = target_tokens(
             logits, tree, starts, sampling.seeds, sampling.temps, sampling.top_k, sampling.top_p,
-            all_greedy=all_greedy, any_greedy=any_greedy, needs_filter=needs_filter,
+            all_greedy=all_greedy, any_greedy=any_greedy, needs_filter=needs_filter, native=self.native_uniform,
         )  # fmt: skip
         return walk_tree(tree, chosen, max_depth=g)
 
@@ -793,8 +798,9 @@ class ModelRunner:
         if sampling.all_greedy:
             return self._greedy_accept(drafts, logits, d_valid)
         p = sampling.probs(logits.reshape(bs * bq, vocab), per_row=bq).reshape(bs, bq, vocab)
-        u_accept = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_ACCEPT)  # [bs, g]
-        u_emit = uniform(sampling.seeds, block_pos + 1, PURPOSE_EMIT)  # [bs, g + 1]
+        native = self.native_uniform
+        u_accept = uniform(sampling.seeds, block_pos[:, 1:], PURPOSE_ACCEPT, native=native)  # [bs, g]
+        u_emit = uniform(sampling.seeds, block_pos + 1, PURPOSE_EMIT, native=native)  # [bs, g + 1]
         if drafted.proposal is not None:
             cands, cand_q = drafted.proposal.candidates, drafted.proposal.cand_probs  # [bs, g, K] each
             return self._candidate_accept(drafts, cands, cand_q, p, u_accept, u_emit, d_valid)

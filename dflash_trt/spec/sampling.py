@@ -108,12 +108,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def uniform(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:
+def uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, purpose: int, *, native: bool = False
+) -> torch.Tensor:
     """Counter-based uniforms in (0, 1).
 
     seeds: [N] int64 (one per request); positions: [N, ...] int64 absolute token positions.
     Returns float32 [N, ...]; 24 bits of resolution, strictly inside (0, 1).
+    native: on CPU, compute them with dflash-trt's operator (`native_uniform.available()` said it runs
+    here): the same values, one extern call in a compiled round instead of ~40 fused integer ops.
     """
+    if native and positions.device.type == "cpu":
+        return torch.ops.dflash_rng.uniform(seeds.reshape(-1).long(), positions.long(), purpose)
     shape = positions.shape
     s = seeds.reshape((-1,) + (1,) * (len(shape) - 1)).to(torch.int64)
     h = _mix32(s & _M32)

@@ -289,12 +289,13 @@ def target_tokens(
     all_greedy: bool,
     any_greedy: bool | None = None,
     needs_filter: bool | None = None,
+    native: bool = False,
 ) -> torch.Tensor:
     """The target's own token after every node: logits [bs, N, V] -> [bs, N] long.
 
     Greedy rows take the argmax; sampled rows draw from the processed distribution (temperature,
     top-k, top-p, as in linear DFlash) with the uniform of (seed, start + depth + 1, PURPOSE_EMIT).
-    starts/seeds/temps/top_k/top_p: [bs]. The flags are as in `logits_to_probs`.
+    starts/seeds/temps/top_k/top_p: [bs]. The flags are as in `logits_to_probs`; native as in `uniform`.
     """
     if all_greedy:
         return logits.argmax(dim=-1)
@@ -307,7 +308,7 @@ def target_tokens(
         needs_filter=needs_filter,
         any_greedy=any_greedy,
     )
-    u = uniform(seeds, tree_positions(starts, tree) + 1, PURPOSE_EMIT)  # [bs, N]
+    u = uniform(seeds, tree_positions(starts, tree) + 1, PURPOSE_EMIT, native=native)  # [bs, N]
     return sample_from_probs(probs, u.reshape(-1)).reshape(bs, n1)
 
 
