@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from dflash_trt.api.outputs import CompletionOutput, RequestOutput
+from dflash_trt.api.outputs import CompletionOutput, RequestOutput, merged
 from dflash_trt.api.params import SamplingParams
 from dflash_trt.errors import EngineDeadError
 
@@ -19,8 +19,12 @@ class GenerationHandle:
 
     Async iteration binds the handle to an event loop: the loop running where the handle was created
     (TensorRT-LLM's rule), or else the loop that first iterates it, so a server may create handles on
-    a worker thread and consume them on its loop. A request that ends because the engine stopped
-    (it raised, wedged, or was shut down) raises EngineDeadError from `result()` and from iteration.
+    a worker thread and consume them on its loop. A streaming consumer that falls behind the engine
+    gets the outputs that arrived meanwhile as one (`outputs.merged`: the latest snapshot, their diffs
+    concatenated): under load a server then sends one response per request per wake-up instead of
+    one per engine step, and does not fall further behind. Sync iteration yields every output.
+    A request that ends because the engine stopped (it raised, wedged, or was shut down) raises
+    EngineDeadError from `result()` and from iteration.
     """
 
     def __init__(
@@ -152,6 +156,8 @@ class GenerationHandle:
             raise RuntimeError("this request is bound to another event loop; iterate it there")
         while True:
             item = await queue.get()
+            while not item.finished and not queue.empty():  # behind: what arrived meanwhile, as one
+                item = merged(item, queue.get_nowait())
             yield self._checked(item)
             if item.finished:
                 return

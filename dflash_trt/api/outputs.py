@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -64,3 +64,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+
+
+def merged(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer` as one streamed output that also carries `older`'s news: the snapshot fields (text, ids,
+    finish, metrics) are newer's, the diffs are older's followed by newer's. A consumer that fell behind
+    gets the outputs it has not read as one (GenerationHandle's async iteration)."""
+    comps = [
+        replace(n, text_diff=o.text_diff + n.text_diff, token_ids_diff=o.token_ids_diff + n.token_ids_diff)
+        for o, n in zip(older.outputs, newer.outputs)
+    ]
+    return replace(newer, outputs=comps + list(newer.outputs[len(comps) :]))

@@ -220,6 +220,56 @@ def test_streaming_deltas_concatenate_to_final_output():
         assert ids == last.outputs[0].token_ids and len(ids) == 48
 
 
+def test_a_streaming_consumer_that_falls_behind_gets_the_missed_outputs_as_one():
+    """GenerationHandle's async iteration: outputs that arrived while the consumer was busy come as one
+    (the latest snapshot, the diffs concatenated); a finished output is never merged past; sync
+    iteration still yields every output."""
+    from dflash_trt.api.handle import GenerationHandle
+    from dflash_trt.api.outputs import CompletionOutput, RequestOutput
+
+    words = ["def", " f", "(x", "):", "\n", "  return", " x"]
+
+    def out(n: int, finished: bool = False) -> RequestOutput:
+        comp = CompletionOutput(index=0, text="".join(words[:n]), token_ids=list(range(n)),
+                                finish_reason="length" if finished else None, text_diff=words[n - 1],
+                                token_ids_diff=[n - 1])  # fmt: skip
+        return RequestOutput(
+            request_id=7, prompt="p", prompt_token_ids=[1], outputs=[comp], finished=finished
+        )
+
+    def handle() -> GenerationHandle:
+        return GenerationHandle(prompt="p", prompt_ids=[1], sampling_params=SamplingParams(), streaming=True,
+                                on_abort=lambda h: None)  # fmt: skip
+
+    async def run() -> list[RequestOutput]:
+        h = handle()  # bound to this loop: pushes queue here
+        got = []
+        h.push(out(1))
+        h.push(out(2))
+        h.push(out(3))
+        async for item in h:  # three outputs waiting: one item; then one per push
+            got.append(item)
+            if len(got) == 1:
+                h.push(out(4))
+            elif len(got) == 2:
+                h.push(out(5))
+                h.push(out(6))
+                h.push(out(7, finished=True))
+                h.push(out(7, finished=True))  # ignored: the request already finished
+        return got
+
+    got = asyncio.run(run())
+    assert [len(i.outputs[0].token_ids) for i in got] == [3, 4, 7]
+    assert [i.outputs[0].text_diff for i in got] == ["def f(x", "):", "\n  return x"]
+    assert [i.outputs[0].token_ids_diff for i in got] == [[0, 1, 2], [3], [4, 5, 6]]
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "length"
+    assert "".join(i.outputs[0].text_diff for i in got) == got[-1].outputs[0].text
+    h = handle()
+    for n in range(1, 8):
+        h.push(out(n, finished=n == 7))
+    assert [i.outputs[0].text_diff for i in h] == words  # sync iteration: every output, unmerged
+
+
 def test_sync_streaming_and_non_streaming_agree():
     with LLM(
         "tiny",
