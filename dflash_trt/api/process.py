@@ -46,6 +46,7 @@ from dflash_trt.api.handle import GenerationHandle
 from dflash_trt.api.llm import LLM
 from dflash_trt.api.outputs import RequestOutput
 from dflash_trt.errors import DFlashTrtError, EngineDeadError
+from dflash_trt.utils.child import module_command
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class ProcessLLM:
         from_child_r, from_child_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "dflash_trt.api.process", str(to_child_r), str(from_child_w)],
+                module_command("dflash_trt.api.process", str(to_child_r), str(from_child_w)),
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
             )

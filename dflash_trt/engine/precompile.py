@@ -40,6 +40,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from dflash_trt.utils.child import module_command
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".precompile.lock"
@@ -197,10 +199,12 @@ def _write_request(request: PrecompileRequest, directory: Path) -> Path:
 
 def _launch(req_path: Path, directory: Path, claims: str | None = None) -> subprocess.Popen[bytes]:
     """A compiler process (with a claims token: a helper) with its output appended to the directory's log."""
-    args = [sys.executable, "-m", "dflash_trt.engine.precompile", str(req_path)]
+    args = module_command(
+        "dflash_trt.engine.precompile", str(req_path), *(("--claims", claims) if claims else ())
+    )
     with open(directory / LOG_NAME, "ab") as out:
         return subprocess.Popen(
-            [*args, "--claims", claims] if claims else args,
+            args,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
