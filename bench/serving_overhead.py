@@ -6,7 +6,10 @@ in-process, at a fixed concurrency, plus the server's start time.
 
 Both sides run the same requests (greedy, ignore_eos, fixed output length) from `concurrency`
 closed-loop workers. In-process: threads calling LLM.generate. Triton: the same number of HTTP
-clients calling /generate (non-streaming) and, separately, gRPC streaming clients. The three phases
+clients calling /generate (non-streaming, pooled connections) and, separately, gRPC streaming clients,
+each keeping one channel and one stream across its requests (as the OpenAI front does; until
+2026-11-28 each request opened a channel of its own, which measured the client's connection set-up
+as overhead: 24.5 % at c=8 that way, bench/README.md). The three phases
 alternate, `--repeats` times, with the in-process engine and the server both up; overhead = 1 -
 triton_rps / inprocess_rps within each repeat, and the medians are the headline. Prints its
 configuration next to its numbers. `--engine-in-stub` serves with the engine on a thread of the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import queue
 import statistics
 import sys
 import tempfile
@@ -131,33 +135,50 @@ def main() -> int:
 
             http_req(0)
 
-            def grpc_req(i: int) -> None:
-                done = threading.Event()
-                err: list = []
+            class Stream:
+                """One gRPC channel and bidirectional stream, kept across requests (one request at a time),
+                as the OpenAI front and any long-lived client keep them."""
 
-                def cb(result, error):
+                def __init__(self) -> None:
+                    self.client = grpcclient.InferenceServerClient(srv.grpc_url)
+                    self.done = threading.Event()
+                    self.err: list = []
+                    self.client.start_stream(callback=self._on_response)
+
+                def _on_response(self, result, error) -> None:
                     if error is not None:
-                        err.append(error)
-                        done.set()
+                        self.err.append(error)
+                        self.done.set()
                     elif result.get_response().parameters.get("triton_final_response").bool_param:
-                        done.set()
+                        self.done.set()
 
-                c = grpcclient.InferenceServerClient(srv.grpc_url)
-                c.start_stream(callback=cb)
-                ins = []
-                for name, val, dt, tt in (("text_input", prompts[i].encode(), np.object_, "BYTES"),
-                                          ("streaming", True, np.bool_, "BOOL"),
-                                          ("sampling_param_max_tokens", args.max_tokens, np.int32, "INT32"),
-                                          ("sampling_param_ignore_eos", True, np.bool_, "BOOL")):  # fmt: skip
-                    t = grpcclient.InferInput(name, [1], tt)
-                    t.set_data_from_numpy(np.array([val], dtype=dt))
-                    ins.append(t)
-                c.async_stream_infer("tensorrt_llm", ins, enable_empty_final_response=True)
-                done.wait(300)
-                c.stop_stream()
-                c.close()
-                if err:
-                    raise RuntimeError(err[0])
+                def close(self) -> None:
+                    self.client.stop_stream()
+                    self.client.close()
+
+            streams: queue.Queue[Stream] = queue.Queue()
+            for _ in range(args.concurrency):
+                streams.put(Stream())
+
+            def grpc_req(i: int) -> None:
+                stream = streams.get()
+                try:
+                    stream.done.clear()
+                    ins = []
+                    for name, val, dt, tt in (("text_input", prompts[i].encode(), np.object_, "BYTES"),
+                                              ("streaming", True, np.bool_, "BOOL"),
+                                              ("sampling_param_max_tokens", args.max_tokens, np.int32, "INT32"),
+                                              ("sampling_param_ignore_eos", True, np.bool_, "BOOL")):  # fmt: skip
+                        t = grpcclient.InferInput(name, [1], tt)
+                        t.set_data_from_numpy(np.array([val], dtype=dt))
+                        ins.append(t)
+                    stream.client.async_stream_infer("tensorrt_llm", ins, enable_empty_final_response=True)
+                    if not stream.done.wait(300):
+                        raise TimeoutError(f"gRPC request {i}: no final response within 300 s")
+                    if stream.err:
+                        raise RuntimeError(stream.err[0])
+                finally:
+                    streams.put(stream)
 
             # The phases alternate, each run `repeats` times: this host's speed moves by ~20 % within a
             # minute, and run one after the other the three phases measured that swing as overhead.
@@ -166,6 +187,8 @@ def main() -> int:
             for _ in range(args.repeats):
                 for name, fn in phases.items():
                     times[name].append(closed_loop(args.requests, args.concurrency, fn))
+            while not streams.empty():
+                streams.get().close()
         finally:
             srv.stop()
             llm.shutdown()
