@@ -14,7 +14,9 @@ from dflash_trt.utils.child import module_command
 def test_the_child_imports_this_copy_not_the_one_in_its_working_directory(tmp_path) -> None:
     decoy = tmp_path / "dflash_trt"
     decoy.mkdir()
-    (decoy / "__init__.py").write_text("raise SystemExit('the decoy in the working directory was imported')\n")
+    (decoy / "__init__.py").write_text(
+        "raise SystemExit('the decoy in the working directory was imported')\n"
+    )
     (decoy / "__main__.py").write_text("")
     plain = subprocess.run([sys.executable, "-m", "dflash_trt", "--version"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=60)  # fmt: skip

@@ -2,21 +2,24 @@
 """Building dflash-trt's own CPU code (the C kernels and C++ torch operators beside this module) into
 shared libraries, at first use, into a per-machine cache.
 
-The cache is $DFLASH_TRT_KERNEL_CACHE or ~/.cache/dflash-trt/kernels. A library is named by a digest of
-its source, its flags, the compiler's version (and, for a torch operator, torch's version), so an edit
-or an upgrade builds a new one. It is written to a temporary name and renamed: concurrent processes
-never load half a file.
+The cache is $DFLASH_TRT_KERNEL_CACHE or ~/.cache/dflash-trt/kernels; an engine with compiled rounds
+points it at its compile cache (engine/compile.py `point_kernels_at`), so that the servers of a bundle
+share the libraries with the rounds that call them. A library is named by a digest of its source, its
+flags, the compiler's version (and, for a torch operator, torch's version), so an edit or an upgrade
+builds a new one; one already in ~/.cache/dflash-trt/kernels is copied rather than built again. It is
+written to a temporary name and renamed: concurrent processes never load half a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -37,31 +40,48 @@ def compiled_library(
     compiler: str, source: Path, flags: Sequence[str], libs: Sequence[str] = (), salt: bytes = b""
 ) -> Path:
     """`source` built into a shared library in the kernel cache, under a digest of the source, the
-    flags, the compiler's version and `salt`: from the cache, or compiled now."""
+    flags, the compiler's version and `salt`: from the cache, copied from ~/.cache/dflash-trt/kernels,
+    or compiled now (and then copied there too)."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     digest = hashlib.sha256(source.read_bytes() + repr(flags).encode() + version.encode() + salt)
     root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    path = root / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    name = f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    path, user = root / name, DEFAULT_CACHE.expanduser() / name
     if path.is_file():
         return path
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{source.stem}-", suffix=".so")
-    os.close(fd)
-    try:
+    if user != path and user.is_file():  # built earlier into the user's cache: a copy will do
+        _place(path, lambda tmp: shutil.copyfile(user, tmp))
+        return path
+
+    def build(tmp: str) -> None:
         done = subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], capture_output=True, text=True,
                               timeout=600)  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(
                 f"{compiler} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
             )
+
+    _place(path, build)
+    log.info("built dflash_trt's CPU code: %s", path)
+    if user != path:  # and into the user's cache, for the next cache that lacks it (best effort)
+        with contextlib.suppress(OSError):
+            _place(user, lambda tmp: shutil.copyfile(path, tmp))
+    return path
+
+
+def _place(path: Path, make: Callable[[str], None]) -> None:
+    """make(tmp) writes the file; it then becomes `path` at once (a rename in the same directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+    os.close(fd)
+    try:
+        make(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built dflash_trt's CPU code: %s", path)
-    return path
 
 
 def torch_op_library(source: Path, isa_flags: Sequence[str]) -> Path:

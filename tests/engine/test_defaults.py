@@ -84,6 +84,7 @@ def test_compile_default_follows_the_machine_and_the_environment(monkeypatch, tm
     from dflash_trt.api.llm import _compile_wanted
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch's own: ours replaces it
+    monkeypatch.delenv("DFLASH_TRT_KERNEL_CACHE", raising=False)  # use_cache_root sets it: unset afterwards
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "0")
     assert _compile_wanted(None, CPU, str(tmp_path)) == (False, None)  # opted out
     monkeypatch.delenv(compile_mod.COMPILE_ENV)
