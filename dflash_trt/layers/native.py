@@ -71,7 +71,7 @@ def compiled_library(
     return path
 
 
-def _place(path: Path, make: Callable[[str], None]) -> None:
+def _place(path: Path, make: Callable[[str], object]) -> None:
     """make(tmp) writes the file; it then becomes `path` at once (a rename in the same directory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
