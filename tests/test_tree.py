@@ -253,3 +253,28 @@ def test_copy_slots_handles_overlap_and_padding():
     for pool, old in zip((*cache.k, *cache.v), before):
         assert torch.equal(pool[4:7], old[[4, 6, 7]])
         assert torch.equal(pool[[0, 1, 2, 3, 7, 8]], old[[0, 1, 2, 3, 7, 8]])
+
+
+def test_a_saved_round_builds_its_tree_without_this_process_cache(tmp_path) -> None:
+    """A compiled round saved to disk and loaded by another process (a server starting from a warm
+    cache) must not read `_staircase`'s per-process cache: that process's cache is empty (the served
+    DDTree engine died with KeyError: (32, 32, 'cpu') on its first tree round)."""
+    from dflash_trt.engine import compile as compile_mod
+    from dflash_trt.spec import tree
+
+    if not compile_mod.saves_compiled_rounds() or compile_mod.unsupported_reason(torch.device("cpu")):
+        pytest.skip("this torch cannot save compiled functions, or cannot compile here")
+
+    def beams(top_lp):
+        return tree._beams(top_lp, 8)
+
+    top = torch.randn(2, 4, 8).sort(dim=-1, descending=True).values
+    want = beams(top)
+    with compile_mod.compile_rules():
+        options = {"guard_filter_fn": compile_mod._guard_filter}
+        compiled = torch.compile(beams, fullgraph=True, options=options).aot_compile(((top,), {}))
+    compiled.save_compiled_function(str(tmp_path / "beams.aot"))
+    tree._STAIRCASES.clear()  # what a fresh process has
+    with open(tmp_path / "beams.aot", "rb") as f:
+        loaded = torch.compiler.load_compiled_function(f, f_globals=beams.__globals__)
+    assert all(torch.equal(a, b) for a, b in zip(loaded(top), want))

@@ -112,13 +112,23 @@ _STAIRCASES: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _staircase(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parent column j, rank r) pairs with (j + 1)(r + 1) <= n and r < k, j-major (cached)."""
+    """(parent column j, rank r) pairs with (j + 1)(r + 1) <= n and r < k, j-major (cached when eager).
+
+    Inside a compiled round they are constants of the graph, never a read of the cache: a saved round
+    reads the globals it names at every call, and in the next process (a server loading the round
+    from disk) the cache is empty (KeyError)."""
+    if torch.compiler.is_compiling():
+        return _staircase_tensors(n, k, device)
     key = (n, k, str(device))
     if key not in _STAIRCASES:
-        pairs = [(j, r) for j in range(n) for r in range(min(k, n // (j + 1)))]
-        both = torch.tensor(pairs, dtype=torch.long, device=device)
-        _STAIRCASES[key] = (both[:, 0].contiguous(), both[:, 1].contiguous())
+        _STAIRCASES[key] = _staircase_tensors(n, k, device)
     return _STAIRCASES[key]
+
+
+def _staircase_tensors(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [(j, r) for j in range(n) for r in range(min(k, n // (j + 1)))]
+    both = torch.tensor(pairs, dtype=torch.long, device=device)
+    return both[:, 0].contiguous(), both[:, 1].contiguous()
 
 
 def _beams(top_lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
