@@ -93,9 +93,11 @@ class LLMEngine:
         # DDTree: the budget per round (pinned, or chosen by cost); linear DFlash without a drafter
         self.budgets = BudgetPolicy.from_config(spec.tree_budget if self.drafter is not None and spec else 0)
         self._trees = self.budgets.max_budget > 0  # rounds may verify trees: record their budgets
-        # Linear DFlash: the draft length per round, from the user's schedule or chosen by cost
+        # The draft length per round, from the user's schedule or chosen by cost: linear DFlash, and the
+        # chain of a DDTree engine whose budget is "auto" (a busy batch then drafts a short chain, as a
+        # linear engine does, instead of the full block's chain or tree); a pinned budget keeps the block
         self.draft_lens: DraftLenPolicy | None = None
-        if self.drafter is not None and spec is not None and not self._trees:
+        if self.drafter is not None and spec is not None and (not self._trees or self.budgets.auto):
             assert spec.max_draft_len is not None
             user = spec.draft_len_for if spec.schedule() is not None else None
             self.draft_lens = DraftLenPolicy.for_spec(spec.max_draft_len, user)
@@ -381,7 +383,7 @@ class LLMEngine:
         variants = [
             WarmUp(g, budget if g > 0 else 0, mode, bs, params)
             for g in sorted({g for bs in batches for g in lens[bs]}, reverse=True)
-            for budget in (self.budgets.budgets() if g > 0 else (0,))
+            for budget in (self.budgets.budgets() if self._tree_round(g) else (0,))
             for mode, params in (("greedy", greedy), ("sampled", sampled))
             for bs in batches
             if g in lens[bs]
@@ -472,6 +474,13 @@ class LLMEngine:
                 self.draft_lens.reset()
         return time.perf_counter() - t0
 
+    def _tree_round(self, g: int) -> bool:
+        """Whether a round drafting `g` tokens may verify a DDTree: a tree spans the full block, so with
+        trees on only the full block's rounds do (shorter chains are the draft-length policy's)."""
+        if not self._trees:
+            return g > 0
+        return g > 0 and g == self.block_size - 1
+
     def _draft_len(self, batch_size: int, *, reproducible: bool = False) -> int:
         """Drafts per sequence in the next round of `batch_size` sequences (0: plain decoding). A round
         with a seeded sampled request drafts the full block unless a schedule or the warm-up says
@@ -505,11 +514,12 @@ class LLMEngine:
         n = len(reqs)
         self._forget_costs_on_new_compiled_rounds()
         g = self._draft_len(n, reproducible=any(r.reproducible for r in reqs))
-        budget = self.budgets.choose(n) if g > 0 else 0
+        trees = self._tree_round(g)  # the budget policy's round: a tree, or the chain it compares with
+        budget = self.budgets.choose(n) if trees else 0
         t0 = self.clock()
         out = self.runner.decode_round(reqs, g, budget)
         seconds = self.clock() - t0
-        if g > 0:
+        if trees:
             self.budgets.record(budget, n, seconds, out.accepted, out.path)
         if self.draft_lens is not None:
             self.draft_lens.record(g, n, seconds, out.accepted)
