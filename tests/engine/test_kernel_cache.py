@@ -10,7 +10,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 
 from dflash_trt.engine import compile as compile_mod
@@ -22,8 +21,7 @@ CPU = torch.device("cpu")
 def _logging_compiler(tmp_path: Path) -> tuple[str, Path]:
     """A C compiler that appends each command line to a log, then runs the real one."""
     real = shutil.which("gcc") or shutil.which("cc")
-    if real is None:
-        pytest.skip("no C compiler")
+    assert real is not None, "dflash-trt's CPU operators need a C compiler (gcc or cc on PATH)"
     log = tmp_path / "calls.log"
     script = tmp_path / "cc-logged"
     script.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {real} "$@"\n')
