@@ -55,6 +55,14 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] == 0
 
 
+def in_features(weight: torch.Tensor) -> int | None:
+    """The input width of a weight as `linear` takes it: dense [N, K], fp32-packed [N/16, K, 16]; None
+    for a placeholder (its packed copy is not a tensor here)."""
+    if weight.dim() == 3:
+        return weight.shape[1]
+    return None if is_packed(weight) else weight.shape[-1]
+
+
 def _placeholder(
     packed: torch.Tensor | cpu_gemm.BlockedWeight, out_features: int, like: torch.Tensor
 ) -> torch.Tensor:

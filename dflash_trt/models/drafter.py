@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from dflash_trt.layers.attention import attend_paged
 from dflash_trt.layers.kv_cache import PagedKVCache
-from dflash_trt.layers.linear import FusedLinear, Linear, is_packed, linear
+from dflash_trt.layers.linear import FusedLinear, Linear, in_features, linear
 from dflash_trt.layers.masks import visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
@@ -164,9 +164,10 @@ class DFlashDrafter(nn.Module):
         self, embed_weight: torch.Tensor, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None
     ) -> None:
         """Share the target's token embedding [V, D] and LM head [V, D] (frozen in training); the head
-        may be a packed weight's placeholder [V, 0] (layers/linear.py)."""
-        if embed_weight.shape[-1] != self.config.hidden_size or not (
-            is_packed(head_weight) or head_weight.shape[-1] == self.config.hidden_size
+        may be packed (layers/linear.py: a placeholder [V, 0], or fp32 blocks [V/16, D, 16])."""
+        if embed_weight.shape[-1] != self.config.hidden_size or in_features(head_weight) not in (
+            None,
+            self.config.hidden_size,
         ):
             raise ValueError("target embedding/head width differs from the drafter hidden_size")
         self._embed_weight = embed_weight

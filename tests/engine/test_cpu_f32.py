@@ -112,3 +112,23 @@ def test_fp32_engine_runs_packed_and_equals_the_dense_engine() -> None:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         alone = llm.generate(prompts[1], sp).outputs[0].token_ids
     assert got == want and alone == want[1]
+
+
+def test_a_packed_fp32_head_is_shared_with_the_drafter(tmp_path) -> None:
+    """A target whose LM head is a whole number of blocks wide (most real vocabularies) has it packed
+    for the fp32 operator; the drafter drafts through that packed head, and greedy DFlash equals plain
+    decoding."""
+    from dflash_trt.models.checkpoint import save_drafter
+    from tests.conftest import make_drafter, make_target
+
+    target = make_target("qwen3", seed=4, vocab=64, layers=2)
+    target.save_pretrained(tmp_path / "target")
+    save_drafter(make_drafter(target, block_size=4, seed=5, std=0.5), tmp_path / "drafter")
+    spec = {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": str(tmp_path / "drafter")}
+    prompts, sp = [[3, 1, 4, 1, 5], [9, 2, 6]], SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(str(tmp_path / "target"), dtype="float32", compile=False) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    with LLM(str(tmp_path / "target"), dtype="float32", compile=False, speculative_config=spec) as llm:
+        assert (llm.engine.target.lm_head.packed is not None) is HAS_OP
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
