@@ -21,6 +21,7 @@ from dflash_trt.layers.linear import FusedLinear, Linear
 from dflash_trt.layers.masks import block_visibility_mask, visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
+from dflash_trt.layers.regions import repeated_region
 from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
 from dflash_trt.models.target_config import TargetConfig
 
@@ -153,6 +154,7 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=cfg.norm_weight_in_fp32
         )
 
+    @repeated_region
     def forward(self, x, cos, sin, k_pool, v_pool, slots, ctx_index, mask, paged=False):
         """Shapes as in Attention.forward."""
         h = self.input_layernorm(x)

@@ -30,6 +30,7 @@ from dflash_trt.layers.linear import FusedLinear, Linear, in_features, linear
 from dflash_trt.layers.masks import visibility_mask
 from dflash_trt.layers.mlp import SwiGLU
 from dflash_trt.layers.norm import RMSNorm
+from dflash_trt.layers.regions import repeated_region
 from dflash_trt.layers.rope import RotaryEmbedding, apply_rope
 from dflash_trt.models.dflash_config import DFlashConfig
 
@@ -123,6 +124,7 @@ class DraftLayer(nn.Module):
         """A DFlash 2 layer's (attention_conv, mlp_conv); None for a v1 layer."""
         return None
 
+    @repeated_region
     def forward(self, x, cos, sin, k_pool, v_pool, ctx_index, mask):  # shapes as in DraftAttention.forward
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, ctx_index, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

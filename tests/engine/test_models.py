@@ -105,3 +105,34 @@ def test_unsupported_and_broken_targets(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"do not match a qwen3 model: missing \['model.layers.6"):
         load_native_target(tmp_path, device="cpu", dtype=torch.float32)
+
+
+def test_a_compiled_forward_traces_one_decoder_layer_and_reuses_it_for_every_layer(tmp_path):
+    """layers/regions.py: the target's layers become calls of one compiled subgraph (the cold compile
+    traces and generates code for one layer, not for each), with each layer's own weights and cache,
+    and the compiled forward equals the eager one."""
+    model = make_target("qwen3", seed=3, layers=4)
+    model.save_pretrained(tmp_path)
+    native = load_native_target(tmp_path, device="cpu", dtype=torch.float32)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, _inputs):  # dynamo's graph, run as traced
+        graphs.append(gm)
+        return gm.forward
+
+    tables = torch.tensor([[1, 2]])
+    ids, pos = torch.tensor([[5, 9, 2]]), torch.arange(3)[None]
+    slots = slot_mapping(tables, pos, 4)
+
+    def run(fn):
+        cache = native.make_cache(num_pages=4, page_size=4)
+        with torch.no_grad():
+            return fn(ids, pos, torch.tensor([3]), cache, slots, context_index(tables, 4))[0]
+
+    want = run(native)
+    got = run(torch.compile(native, backend=capture, fullgraph=True))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    assert len(calls) == 4  # one call per layer ...
+    assert len({n.args[0].target for n in calls}) == 1  # ... of a single traced subgraph
