@@ -3,7 +3,8 @@
 
 `DFLASH_TRT_FAULT_INJECT=engine-raise:N` makes the engine thread raise in its N-th step (one step
 runs one round for the running batch), `engine-hang:N` makes it block there until the LLM is shut
-down. Honoured only when `DFLASH_TRT_TESTING=1` is also set, and ignored (with a warning) otherwise.
+down, `engine-slow:N` makes every step take N ms longer (a request that must still be in flight when
+a test stops the server, however fast the engine has become). Honoured only when `DFLASH_TRT_TESTING=1` is also set, and ignored (with a warning) otherwise.
 The LLM reads the switch once when it starts; with no fault set the engine's step is not wrapped,
 so the switch costs nothing per step.
 """
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 FAULT_ENV = "DFLASH_TRT_FAULT_INJECT"
 TESTING_ENV = "DFLASH_TRT_TESTING"
-KINDS = ("engine-raise", "engine-hang")
+KINDS = ("engine-raise", "engine-hang", "engine-slow")
 
 T = TypeVar("T")
 
@@ -34,8 +35,8 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    kind: Literal["engine-raise", "engine-hang"]
-    step: int  # 1-based: the engine step in which the fault fires
+    kind: Literal["engine-raise", "engine-hang", "engine-slow"]
+    step: int  # 1-based: the engine step in which the fault fires (engine-slow: ms added to every step)
 
 
 def fault_from_env(environ: Mapping[str, str] | None = None) -> Fault | None:
@@ -51,18 +52,23 @@ def fault_from_env(environ: Mapping[str, str] | None = None) -> Fault | None:
     if kind not in KINDS or not n.isdigit() or int(n) < 1:
         raise ConfigError(FAULT_ENV, spec, f"is not one of {', '.join(k + ':N' for k in KINDS)} with N >= 1",
                           hint="e.g. engine-raise:20, or unset it")  # fmt: skip
-    log.warning("fault injection armed: %s at engine step %s (%s=1)", kind, n, TESTING_ENV)
+    what = f"{n} ms added to every engine step" if kind == "engine-slow" else f"{kind} at engine step {n}"
+    log.warning("fault injection armed: %s (%s=1)", what, TESTING_ENV)
     return Fault(kind=kind, step=int(n))  # type: ignore[arg-type]  # kind is checked against KINDS
 
 
 def with_fault(step: Callable[[], T], fault: Fault, released: threading.Event) -> Callable[[], T]:
     """`step`, firing `fault` on its fault.step-th call. A hang blocks until `released` is set (the
-    LLM sets it at shutdown, so a test process keeps no blocked thread), then raises."""
+    LLM sets it at shutdown, so a test process keeps no blocked thread), then raises. A slow engine
+    waits fault.step ms (or until `released`) before every step."""
     calls = 0
 
     def faulty_step() -> T:
         nonlocal calls
         calls += 1
+        if fault.kind == "engine-slow":
+            released.wait(fault.step / 1000)
+            return step()
         if calls == fault.step:
             if fault.kind == "engine-hang":
                 log.warning("injected fault: engine step %d hangs", calls)

@@ -369,6 +369,24 @@ def test_fault_switch_needs_the_testing_flag_and_a_valid_value(monkeypatch):
     for bad in ("engine-raise", "engine-raise:0", "engine-explode:2", "engine-hang:x"):
         with pytest.raises(ConfigError, match=r"DFLASH_TRT_FAULT_INJECT=.*engine-raise:N, engine-hang:N"):
             fault_from_env({**on, "DFLASH_TRT_FAULT_INJECT": bad})
+    assert fault_from_env({**on, "DFLASH_TRT_FAULT_INJECT": "engine-slow:40"}) == Fault("engine-slow", 40)
+
+
+def test_a_slow_engine_waits_before_every_step_and_stops_waiting_at_shutdown():
+    from dflash_trt.engine.faults import Fault, with_fault
+
+    class Released:  # the LLM's shutdown event, recording each wait instead of sleeping
+        def __init__(self) -> None:
+            self.waits: list[float] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits.append(timeout)
+            return False
+
+    released, steps = Released(), []
+    step = with_fault(lambda: steps.append(len(steps)) or len(steps), Fault("engine-slow", 40), released)
+    assert [step() for _ in range(3)] == [1, 2, 3]  # every step runs, none raises
+    assert released.waits == [0.04, 0.04, 0.04]
 
 
 def test_watchdog_ignores_an_idle_engine_and_checks_its_setting(pair):

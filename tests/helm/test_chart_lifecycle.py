@@ -24,7 +24,7 @@ import pytest
 from helm_support import CHART_DIR, load_value_set
 
 from dflash_trt import deploy
-from tests.serving.conftest import HANG_S, build_bundle, eventually, free_ports
+from tests.serving.conftest import HANG_S, SLOW_ENGINE, build_bundle, eventually, free_ports
 
 pytestmark = [pytest.mark.helm, pytest.mark.triton_server]
 
@@ -145,7 +145,8 @@ def test_prestop_drains_then_sigterm_exits_0(tmp_path):
     http, grpc, metrics = free_ports(3)
     server = TritonServer(model_repository=bundle / "model_repository", http_port=http, grpc_port=grpc,
                           metrics_port=metrics, exit_timeout=exit_timeout, forward_logs=False,
-                          extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle), "DFLASH_TRT_CONTROL_DIR": str(control)})  # fmt: skip
+                          extra_env={"DFLASH_TRT_BUNDLE_ROOT": str(bundle), "DFLASH_TRT_CONTROL_DIR": str(control),
+                                     **SLOW_ENGINE})  # fmt: skip
     server.start()
     try:
         server.wait_ready(120)

@@ -32,6 +32,13 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+# Long requests that must still be in flight when a test stops or kills the server: a step emits at
+# most 16 tokens of tiny's block, so with 100 ms more per engine step a 2000-token request takes at
+# least 12.5 s however fast the engine is (engine/faults.py). Unslowed, eager tiny emits 200 tokens of
+# a repetitive prompt in ~0.15 s.
+SLOW_ENGINE = {"DFLASH_TRT_TESTING": "1", "DFLASH_TRT_FAULT_INJECT": "engine-slow:100"}
+
+
 def build_bundle(out: Path, *extra: str) -> Path:
     cmd = [sys.executable, "-m", "dflash_trt", "build", "--target", "tiny", "--output", str(out), *extra]
     subprocess.run(cmd, check=True, capture_output=True, text=True)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dflash_trt.cli.serve import HEARTBEAT_TIMEOUT_S
-from tests.serving.conftest import HANG_S, eventually, http_generate, launch_serve, metric_value
+from tests.serving.conftest import HANG_S, SLOW_ENGINE, eventually, http_generate, launch_serve, metric_value
 
 pytestmark = pytest.mark.triton_server
 
@@ -261,7 +261,7 @@ def test_huge_prompt_is_refused_before_tokenizing_and_others_are_unaffected(serv
 # --- serve: killed stub, SIGTERM ------------------------------------------------------------------
 @pytest.mark.timing
 def test_killed_stub_fails_inflight_clients_and_serve_exits_nonzero(tiny_bundle):
-    proc, ports = launch_serve(tiny_bundle)
+    proc, ports = launch_serve(tiny_bundle, env=SLOW_ENGINE)
     url = f"http://127.0.0.1:{ports['http']}"
     try:
         g = GrpcStream(f"127.0.0.1:{ports['grpc']}", grpc_inputs("def g():", 2000))
@@ -273,7 +273,7 @@ def test_killed_stub_fails_inflight_clients_and_serve_exits_nonzero(tiny_bundle)
         triton = children(proc.pid)
         (stub,) = [s for pid in triton for s in stubs_of(pid)]
         os.kill(stub, signal.SIGKILL)
-        # both clients end (2000 tokens each would take minutes) and serve exits on its own
+        # both clients end (2000 slowed tokens each take 12.5 s or more) and serve exits on its own
         t.join(HANG_S)
         assert g.done.wait(HANG_S) and not t.is_alive()
         _, err = proc.communicate(timeout=HANG_S)
@@ -299,7 +299,7 @@ def _ready(url: str) -> bool:
 @pytest.mark.timing
 def test_sigterm_under_load_ends_every_stream_explicitly_and_exits_0(tiny_bundle):
     drain = 3.0
-    proc, ports = launch_serve(tiny_bundle, "--drain-timeout", str(drain))
+    proc, ports = launch_serve(tiny_bundle, "--drain-timeout", str(drain), env=SLOW_ENGINE)
     url = f"http://127.0.0.1:{ports['http']}"
     try:
         bodies = {i: stream_body(f"v{i} = ", 8 if i < 2 else 2000) for i in range(6)}  # 2 short, 4 long
@@ -323,7 +323,7 @@ def test_sigterm_under_load_ends_every_stream_explicitly_and_exits_0(tiny_bundle
             t.join(HANG_S)
         for g in grpcs:
             assert g.done.wait(HANG_S)
-        # the long ones (2000 tokens: minutes) end at the drain deadline, and serve exits on its own
+        # the long ones (2000 slowed tokens: 12.5 s or more) end at the drain deadline, and serve exits on its own
         _, err = proc.communicate(timeout=HANG_S)
         for i, events in results.items():
             last = events[-1]
