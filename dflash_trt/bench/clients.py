@@ -234,7 +234,10 @@ class _HttpClient(Client):
         connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=30)
         headers = self.api_key.http_headers() if self.api_key is not None else None
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
+        reuse = aiohttp.TraceConfig()  # which POSTs went out on a kept-alive connection (`_never_sent`)
+        reuse.on_connection_reuseconn.append(_mark_reused)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
+                                              trace_configs=[reuse])  # fmt: skip
         self._aiohttp = aiohttp
 
     async def close(self) -> None:
@@ -267,21 +270,27 @@ class _HttpClient(Client):
         raw.send_t = time.perf_counter()
         for attempt in range(RESEND_ATTEMPTS + 1):
             answered: list[bool] = []
-            async for event in self._post_once(path, payload, raw, answered):
+            post: dict[str, bool] = {}  # "reused": it went out on a kept-alive connection
+            async for event in self._post_once(path, payload, raw, answered, post):
                 yield event
-            if answered or raw.error is None or attempt == RESEND_ATTEMPTS or not _never_sent(raw.error):
+            if (answered or raw.error is None or attempt == RESEND_ATTEMPTS
+                    or not _never_sent(raw.error, reused=post.get("reused", False))):  # fmt: skip
                 break
             raw.error = None
             raw.resends += 1
         raw.done_t = time.perf_counter()
 
     async def _post_once(
-        self, path: str, payload: bytes, raw: RawResult, answered: list[bool]
+        self, path: str, payload: bytes, raw: RawResult, answered: list[bool], post: dict[str, bool]
     ) -> AsyncIterator[tuple[float, Any]]:
-        """One POST; `answered` gets an entry once the server's status line arrived."""
+        """One POST; `answered` gets an entry once the server's status line arrived, `post["reused"]`
+        is set when it went out on a kept-alive connection."""
         try:
             async with self._session.post(
-                self.url + path, data=payload, headers={"Content-Type": "application/json"}
+                self.url + path,
+                data=payload,
+                headers={"Content-Type": "application/json"},
+                trace_request_ctx=post,
             ) as resp:
                 answered.append(True)
                 if resp.status != 200:
@@ -305,13 +314,25 @@ class _HttpClient(Client):
 
 
 # A request that failed before the server answered, on a connection it had already closed, is sent
-# again (the server never saw it); these are aiohttp's words for that case.
+# again (the server never saw it). aiohttp says so in two ways: the write failed ("Can not write
+# request body"), or the write went into the socket's buffer and the read then found the connection
+# closed (ServerDisconnectedError). The second also happens when a server drops a request it had read,
+# so it counts as never sent only on a kept-alive connection, the race llama-server's closes cause (a
+# fresh connection that the server closes without an answer is the request's error).
 RESEND_ATTEMPTS = 2
 _NEVER_SENT = ("Can not write request body",)
+_CLOSED_BEFORE_READ = "ServerDisconnectedError"
 
 
-def _never_sent(error: str) -> bool:
-    return any(s in error for s in _NEVER_SENT)
+def _never_sent(error: str, *, reused: bool) -> bool:
+    return any(s in error for s in _NEVER_SENT) or (reused and error.startswith(_CLOSED_BEFORE_READ))
+
+
+async def _mark_reused(_session: Any, ctx: Any, _params: Any) -> None:
+    """aiohttp's on_connection_reuseconn signal: the POST's trace context (its `post` dict) learns that
+    it goes out on a kept-alive connection."""
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
 
 
 class TritonHttpClient(_HttpClient):

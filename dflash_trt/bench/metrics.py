@@ -70,6 +70,7 @@ DEFINITIONS: dict[str, str] = {
     "num_requests": "measured requests (warm-up excluded), errors included",
     "num_completed": "measured requests that succeeded",
     "num_errors": "measured requests that failed (HTTP/gRPC error, error event, timeout, no output token); never fatal",
+    "num_resends": "POSTs sent again because the server had closed their kept-alive connection before answering (never an error)",
     "errors": "the most frequent error messages with their counts",
     "num_chunks": "chunks received by successful requests",
     "num_requests_with_spec_stats": "successful requests whose acceptance length is known",
@@ -165,6 +166,7 @@ class RequestRecord:
     overturned_draft_tokens: int | None = None  # DFlash 2: drafts the selector picked over the argmax
     server_ttft_s: float | None = None
     server_decode_s: float | None = None
+    resends: int = 0  # sent again after the server closed its kept-alive connection unanswered
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,6 +255,7 @@ def build_record(
         chunk_offsets_s=[round(t - raw.send_t, 7) for t in chunk_times],
         chunk_tokens=counts.chunk_tokens,
         **_speculation(raw.spec),
+        resends=raw.resends,
     )
 
 
@@ -458,6 +461,7 @@ def summarize_point(
         "num_requests": len(records),
         "num_completed": len(ok),
         "num_errors": len(errs),
+        "num_resends": sum(r.resends for r in records),
         "errors": dict(Counter((r.error or "")[:200] for r in errs).most_common(10)),
         "duration_s": duration,
     }
