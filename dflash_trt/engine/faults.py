@@ -4,9 +4,10 @@
 `DFLASH_TRT_FAULT_INJECT=engine-raise:N` makes the engine thread raise in its N-th step (one step
 runs one round for the running batch), `engine-hang:N` makes it block there until the LLM is shut
 down, `engine-slow:N` makes every step take N ms longer (a request that must still be in flight when
-a test stops the server, however fast the engine has become). Honoured only when `DFLASH_TRT_TESTING=1` is also set, and ignored (with a warning) otherwise.
-The LLM reads the switch once when it starts; with no fault set the engine's step is not wrapped,
-so the switch costs nothing per step.
+a test stops the server, however fast the engine has become). Honoured only when
+`DFLASH_TRT_TESTING=1` is also set, and ignored (with a warning) otherwise. The LLM reads the switch
+once when it starts; with no fault set the engine's step is not wrapped, so the switch costs nothing
+per step.
 """
 
 from __future__ import annotations
