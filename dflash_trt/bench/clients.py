@@ -269,11 +269,10 @@ class _HttpClient(Client):
         keeps its first send time."""
         raw.send_t = time.perf_counter()
         for attempt in range(RESEND_ATTEMPTS + 1):
-            answered: list[bool] = []
-            post: dict[str, bool] = {}  # "reused": it went out on a kept-alive connection
-            async for event in self._post_once(path, payload, raw, answered, post):
+            post: dict[str, bool] = {}  # what became of this POST: "answered", "reused"
+            async for event in self._post_once(path, payload, raw, post):
                 yield event
-            if (answered or raw.error is None or attempt == RESEND_ATTEMPTS
+            if (post.get("answered") or raw.error is None or attempt == RESEND_ATTEMPTS
                     or not _never_sent(raw.error, reused=post.get("reused", False))):  # fmt: skip
                 break
             raw.error = None
@@ -281,10 +280,10 @@ class _HttpClient(Client):
         raw.done_t = time.perf_counter()
 
     async def _post_once(
-        self, path: str, payload: bytes, raw: RawResult, answered: list[bool], post: dict[str, bool]
+        self, path: str, payload: bytes, raw: RawResult, post: dict[str, bool]
     ) -> AsyncIterator[tuple[float, Any]]:
-        """One POST; `answered` gets an entry once the server's status line arrived, `post["reused"]`
-        is set when it went out on a kept-alive connection."""
+        """One POST; `post["answered"]` is set once the server's status line arrived, `post["reused"]`
+        (by `_mark_reused`) when it went out on a kept-alive connection."""
         try:
             async with self._session.post(
                 self.url + path,
@@ -292,7 +291,7 @@ class _HttpClient(Client):
                 headers={"Content-Type": "application/json"},
                 trace_request_ctx=post,
             ) as resp:
-                answered.append(True)
+                post["answered"] = True
                 if resp.status != 200:
                     raw.error = f"HTTP {resp.status}: {_error_body(await resp.text())}"
                     return

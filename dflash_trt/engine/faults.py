@@ -37,7 +37,7 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Fault:
     kind: Literal["engine-raise", "engine-hang", "engine-slow"]
-    step: int  # 1-based: the engine step in which the fault fires (engine-slow: ms added to every step)
+    n: int  # engine-raise/-hang: the 1-based engine step in which it fires; engine-slow: ms added to every step
 
 
 def fault_from_env(environ: Mapping[str, str] | None = None) -> Fault | None:
@@ -55,22 +55,26 @@ def fault_from_env(environ: Mapping[str, str] | None = None) -> Fault | None:
                           hint="e.g. engine-raise:20, or unset it")  # fmt: skip
     what = f"{n} ms added to every engine step" if kind == "engine-slow" else f"{kind} at engine step {n}"
     log.warning("fault injection armed: %s (%s=1)", what, TESTING_ENV)
-    return Fault(kind=kind, step=int(n))  # type: ignore[arg-type]  # kind is checked against KINDS
+    return Fault(kind=kind, n=int(n))  # type: ignore[arg-type]  # kind is checked against KINDS
 
 
 def with_fault(step: Callable[[], T], fault: Fault, released: threading.Event) -> Callable[[], T]:
-    """`step`, firing `fault` on its fault.step-th call. A hang blocks until `released` is set (the
-    LLM sets it at shutdown, so a test process keeps no blocked thread), then raises. A slow engine
-    waits fault.step ms (or until `released`) before every step."""
+    """`step`, firing `fault` on its fault.n-th call. A hang blocks until `released` is set (the LLM
+    sets it at shutdown, so a test process keeps no blocked thread), then raises. A slow engine waits
+    fault.n ms (or until `released`) before every step."""
+    if fault.kind == "engine-slow":
+
+        def slow_step() -> T:
+            released.wait(fault.n / 1000)
+            return step()
+
+        return slow_step
     calls = 0
 
     def faulty_step() -> T:
         nonlocal calls
         calls += 1
-        if fault.kind == "engine-slow":
-            released.wait(fault.step / 1000)
-            return step()
-        if calls == fault.step:
+        if calls == fault.n:
             if fault.kind == "engine-hang":
                 log.warning("injected fault: engine step %d hangs", calls)
                 released.wait()
