@@ -17,13 +17,16 @@
 #        pair: DRAFTER=tiny-dflash2 and DRAFTER_GGUF its GGUF (llama.cpp's convert_hf_to_gguf.py
 #        dflash_trt/assets/tiny/drafter-dflash2 --target-model-dir dflash_trt/assets/tiny/target --outtype f32);
 #        use a new OUT (a bundle already in OUT is reused)
+#        BASELINE_DRAFTER (optional: a second drafter for the same target, e.g. the packaged v1 at
+#        dflash_trt/assets/tiny/drafter): served in the same run after ours, as ours-<variant>-baseline-dflash,
+#        so that DRAFTER / BASELINE_DRAFTER is a ratio taken in one run (the summary prints it)
 # Run it under default scheduling: `chrt -r` (real-time round robin) cost our multi-process server ~18 % at
 # c=1 on a 2-core host (bench/results/sched-2026-11-27/).
 # Writes OUT/<label>/ sweep directories, OUT/config.txt and OUT/summary.txt (bench/compare_summary.py --peer llama).
 set -u
 OUT=${1:-bench/runs/llamacpp-cpu}; CONC=${CONC:-1,4,16}; NREQ=${NREQ:-16}; THREADS=${THREADS:-$(nproc)}
 DRAFTS=${DRAFTS:-15 7 3}; OURS=${OURS:-default}; PARTS=${PARTS:-llama ours}
-PEER_DIR=${PEER_DIR:-/tmp/peer/llamacpp}; DRAFTER=${DRAFTER:-}
+PEER_DIR=${PEER_DIR:-/tmp/peer/llamacpp}; DRAFTER=${DRAFTER:-}; BASELINE_DRAFTER=${BASELINE_DRAFTER:-}
 SETUP=${SETUP:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers/llamacpp-setup.sh}
 LLAMA_SERVER=${LLAMA_SERVER:-$PEER_DIR/llama.cpp/build/bin/llama-server}
 TARGET_GGUF=${TARGET_GGUF:-$PEER_DIR/gguf/tiny-target-f32.gguf}
@@ -47,11 +50,14 @@ wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), native bf16: $(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo yes || echo no), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-tiny (v1)}"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-tiny (v1)}${BASELINE_DRAFTER:+, baseline drafter: $BASELINE_DRAFTER}"
   echo "peer: llama.cpp $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version | xargs), -t $THREADS, f32 GGUF ($TARGET_GGUF, $DRAFTER_GGUF), DFlash draft lengths: $DRAFTS"
   echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point"
 } | tee "$OUT/config.txt"
 [ -d "$OUT/bundle" ] || "$CLI" build --target tiny ${DRAFTER:+--drafter "$DRAFTER"} --output "$OUT/bundle" >/dev/null || exit 1
+if [ -n "$BASELINE_DRAFTER" ] && [ ! -d "$OUT/bundle-baseline" ]; then
+  "$CLI" build --target tiny --drafter "$BASELINE_DRAFTER" --output "$OUT/bundle-baseline" >/dev/null || exit 1
+fi
 sweep() { local label=$1 url=$2 conc=$3
   "$CLI" bench sweep --url "$url" --label "$label" --out "$OUT/$label" --concurrency "$conc" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 \
     || echo "$label failed (see $OUT/$label.log)"; }
@@ -66,8 +72,8 @@ llama() { local label=$1; shift
     wait_url http://127.0.0.1:18400/health 120 $pid && sweep "$label-$c" http://127.0.0.1:18400 "$c"
     kill $pid; wait $pid 2>/dev/null; sleep 1
   done; }
-ours() { local label=$1; shift
-  "$CLI" serve --bundle "$OUT/bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 --openai-port 18203 \
+ours() { local label=$1 bundle=$2; shift 2
+  "$CLI" serve --bundle "$bundle" --quiet --http-port 18200 --grpc-port 18201 --metrics-port 18202 --openai-port 18203 \
     --openai-model-name tiny --ready-timeout 1800 "$@" >"$OUT/$label.log" 2>&1 &
   local pid=$! t0=$SECONDS
   wait_url http://127.0.0.1:18203/v1/models 1800 $pid && echo "$label: ready after $((SECONDS - t0)) s" | tee -a "$OUT/ready.txt" && sweep "$label" http://127.0.0.1:18203 "$CONC"
@@ -85,10 +91,14 @@ if [[ " $PARTS " == *" ours "* ]]; then
   if [[ " $OURS " == *" default "* ]]; then
     "$CLI" precompile --bundle "$OUT/bundle" >"$OUT/precompile-dflash.log" 2>&1 || echo "precompile failed (see $OUT/precompile-dflash.log)"
     "$CLI" precompile --bundle "$OUT/bundle" --no-draft >"$OUT/precompile-ar.log" 2>&1 || echo "precompile --no-draft failed"
+    if [ -n "$BASELINE_DRAFTER" ]; then
+      "$CLI" precompile --bundle "$OUT/bundle-baseline" >"$OUT/precompile-baseline.log" 2>&1 || echo "precompile of the baseline failed"
+    fi
   fi
   for variant in $OURS; do
     flags=(); [ "$variant" = eager ] && flags=(--eager)
-    ours "ours-$variant-dflash" "${flags[@]}"; ours "ours-$variant-ar" --no-draft "${flags[@]}"
+    ours "ours-$variant-dflash" "$OUT/bundle" "${flags[@]}"; ours "ours-$variant-ar" "$OUT/bundle" --no-draft "${flags[@]}"
+    [ -z "$BASELINE_DRAFTER" ] || ours "ours-$variant-baseline-dflash" "$OUT/bundle-baseline" "${flags[@]}"
   done
 fi
 .venv/bin/python bench/compare_summary.py "$OUT" --peer llama --json "$OUT/summary.json" | tee "$OUT/summary.txt"

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Summarise a bench/compare_vllm_cpu.sh or bench/compare_llamacpp.sh run: output tok/s per
 concurrency for every run, the best of repeated peer runs, and ours / peer ratios taken from this
-one run (with --peer llama also ours against the peer's best configuration, whatever its mode).
+one run (with --peer llama also ours against the peer's best configuration, whatever its mode, and
+ours against a baseline drafter served in the same run: ours-V-dflash / ours-V-baseline-dflash).
 
 usage: .venv/bin/python bench/compare_summary.py OUT [--peer vllm|llama] [--json FILE]
 """
@@ -75,6 +76,16 @@ def main() -> None:
             if label.startswith("ours-") and label.endswith(OUR_MODES[mode]):
                 ratios[f"{label} / {name}"] = {
                     c: runs[label][c]["tok_s"] / peer[c] for c in conc if c in runs[label] and peer.get(c)
+                }
+    # a second drafter served in the same run (compare_llamacpp.sh BASELINE_DRAFTER)
+    for label in sorted(runs):
+        if label.startswith("ours-") and label.endswith("-baseline-dflash"):
+            ours = label.removesuffix("-baseline-dflash") + "-dflash"
+            if ours in runs:
+                ratios[f"{ours} / {label}"] = {
+                    c: runs[ours][c]["tok_s"] / runs[label][c]["tok_s"]
+                    for c in conc
+                    if c in runs[ours] and runs[label].get(c, {}).get("tok_s")
                 }
     if ratios:
         print("\nratios (this run; the peer's best of its repeated runs)")

@@ -62,3 +62,14 @@ def test_empty_directory_is_an_error(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path)],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 1 and "no sweep results" in out.stderr
+
+
+def test_a_baseline_drafter_served_in_the_same_run_gets_its_own_ratio(tmp_path):
+    _run(tmp_path, "ours-default-dflash", {1: 900.0, 4: 1500.0})  # e.g. DFlash 2
+    _run(tmp_path, "ours-default-baseline-dflash", {1: 750.0, 4: 1600.0})  # e.g. v1, same run
+    _run(tmp_path, "llama-ar", {1: 600.0, 4: 1200.0})
+    subprocess.run([sys.executable, str(ROOT / "bench/compare_summary.py"), str(tmp_path), "--peer", "llama",
+                    "--json", str(tmp_path / "s.json")], capture_output=True, text=True, check=True)  # fmt: skip
+    ratios = json.loads((tmp_path / "s.json").read_text())["ratios"]
+    assert ratios["ours-default-dflash / ours-default-baseline-dflash"] == {"1": 1.2, "4": 0.9375}
+    assert ratios["ours-default-baseline-dflash / best llama (any)"] == {"1": 1.25, "4": 1600.0 / 1200.0}
