@@ -255,6 +255,40 @@ def test_ragged_batch_never_reads_across_requests():
     assert torch.equal(again[1, :3], both[1, :3]) and not torch.allclose(again[0], both[0])
 
 
+def test_a_compiled_block_pass_traces_one_dflash2_layer_and_reuses_it():
+    """The DFlash 2 layer (convs around attention and the MLP) is a repeated region as v1's is: a
+    compiled block pass of a 3-layer drafter calls one traced layer subgraph three times, each with
+    its own weights, convs and cache, and equals the eager pass."""
+    target = make_target()
+    drafter = make_drafter(target, dflash2=True, layers=3, block_size=6, std=0.4)
+    drafter.bind_target(target.get_input_embeddings().weight, target.lm_head.weight)
+    cache = drafter.make_cache(num_pages=3, page_size=4)
+    tables = torch.tensor([[1, 2]])
+    pos = torch.arange(5)
+    kd = drafter.config.num_target_features * drafter.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    drafter.inject_context(cache, torch.randn(5, kd, generator=g), pos, slot_mapping(tables, pos[None], 4)[0])
+    emb = torch.randn(1, 6, 48, generator=g)
+    block_pos = 5 + torch.arange(6)[None]
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, _inputs):  # dynamo's graph, run as traced
+        graphs.append(gm)
+        return gm.forward
+
+    def run(fn):
+        with torch.no_grad():
+            return fn(cache, emb, block_pos, context_index(tables, 4), torch.tensor([5]))
+
+    want = run(drafter.forward_block)
+    got = run(torch.compile(drafter.forward_block, backend=capture, fullgraph=True))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    assert len(calls) == 3  # one call per layer ...
+    assert len({n.args[0].target for n in calls}) == 1  # ... of a single traced subgraph
+
+
 # --- the selector ----------------------------------------------------------------------------------
 def walk_by_definition(
     unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy

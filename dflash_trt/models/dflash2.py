@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_trt.layers.regions import repeated_region
 from dflash_trt.models.dflash2_config import DFlash2Params
 from dflash_trt.models.dflash_config import DFlashConfig
 from dflash_trt.models.drafter import DFlashDrafter, DraftLayer
@@ -113,6 +114,7 @@ class DFlash2DraftLayer(DraftLayer):
     def convs(self) -> tuple[GroupedDynamicCausalConv, GroupedDynamicCausalConv]:
         return self.attention_conv, self.mlp_conv
 
+    @repeated_region  # as v1's layer: one compiled subgraph serves every layer of the drafter
     def forward(self, x, cos, sin, k_pool, v_pool, ctx_index, mask):  # shapes as in DraftAttention.forward
         h, coeff = self.attention_conv.prepare(self.input_layernorm(x))
         attn = self.self_attn(h, cos, sin, k_pool, v_pool, ctx_index, mask)
