@@ -18,6 +18,7 @@ from dflash_trt.spec.tree import (
     best_first_tree,
     build_tree,
     build_tree_host,
+    build_tree_native,
     commit_slots,
     gather_path,
     target_tokens,
@@ -63,6 +64,61 @@ def test_batched_tree_equals_heap_expansion(seed):
             k = min(budget, vocab)
             available = sum(k**d for d in range(1, int(max_depth[b]) + 1))
             assert m - 1 == min(budget, available)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_native_tree_builder_equals_the_batched_builder(seed):
+    """dflash_tree::best_first (spec/tree_op.cpp) gives build_tree's tensors, padding, depth limits and
+    tiny vocabularies included; CI has a C++ compiler, so the operator must be available."""
+    from dflash_trt.spec import native_tree
+
+    assert native_tree.available()
+    gen = torch.Generator().manual_seed(100 + seed)
+    for _ in range(25):
+        bs = int(torch.randint(1, 5, (), generator=gen))
+        g = int(torch.randint(1, 16, (), generator=gen))
+        vocab = int(torch.randint(2, 300, (), generator=gen))
+        budget = int(torch.randint(1, 70, (), generator=gen))
+        logits = torch.randn(bs, g, vocab, generator=gen) * float(torch.rand((), generator=gen) * 6 + 0.1)
+        anchors = torch.randint(0, vocab, (bs,), generator=gen)
+        max_depth = torch.randint(0, g + 1, (bs,), generator=gen)
+        want = build_tree(logits, anchors, budget=budget, max_depth=max_depth)
+        got = build_tree_native(logits, anchors, budget=budget, max_depth=max_depth)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    root_only = build_tree_native(torch.zeros(2, 0, 5), torch.tensor([4, 1]), budget=3)
+    for a, b in zip(root_only, build_tree(torch.zeros(2, 0, 5), torch.tensor([4, 1]), budget=3)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="budget=0"):
+        build_tree_native(logits, anchors, budget=0)
+
+
+def test_native_tree_builder_is_one_call_inside_a_compiled_round():
+    """In a compiled graph the builder is the depths' top-k and one call of the operator (no graph
+    break), and gives the eager trees."""
+    from dflash_trt.spec import native_tree
+
+    assert native_tree.available()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def build(logits, anchors, max_depth):
+        return build_tree_native(logits, anchors, budget=16, max_depth=max_depth)
+
+    logits, anchors, max_depth = (
+        torch.randn(3, 15, 264) * 3,
+        torch.tensor([5, 6, 7]),
+        torch.tensor([15, 4, 0]),
+    )
+    want = build(logits, anchors, max_depth)
+    got = torch.compile(build, backend=capture, fullgraph=True)(logits, anchors, max_depth)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "dflash_tree" in str(n.target)]
+    assert len(calls) == 1
 
 
 def test_tree_structure_invariants_with_ties_and_sure_drafts():

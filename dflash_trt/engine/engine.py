@@ -133,6 +133,7 @@ class LLMEngine:
             use_plugins=config.use_plugins,
             compile=config.compile,
             compile_dir=config.compile_dir,
+            trees=self._trees,
             **({"graph_batch_sizes": config.graph_batch_sizes} if config.graph_batch_sizes else {}),
         )
         self._ids = itertools.count()

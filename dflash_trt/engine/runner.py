@@ -42,7 +42,7 @@ import torch
 from dflash_trt.engine.compile import PREFILL, ROUND, Core, RoundCache
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, pages_for, slot_mapping
 from dflash_trt.plugins import default_enabled
-from dflash_trt.spec import native_uniform
+from dflash_trt.spec import native_tree, native_uniform
 from dflash_trt.spec.accept import greedy_accept, rejection_accept, rejection_accept_candidates
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
@@ -58,6 +58,7 @@ from dflash_trt.spec.tree import (
     TreeWalk,
     build_tree,
     build_tree_host,
+    build_tree_native,
     commit_slots,
     gather_path,
     target_tokens,
@@ -166,8 +167,10 @@ class ModelRunner:
         use_plugins: bool | None = None,
         compile: bool = False,
         compile_dir: str | None = None,
+        trees: bool = False,
     ) -> None:
-        """static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
+        """trees: rounds may verify DDTrees (on CPU their trees then come from dflash_tree::best_first,
+        built at start-up where it can be: spec/native_tree.py). static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
         exercises exactly the padding a captured round sees; tests use it). use_plugins: run KV
         injection, block attention and acceptance on the dflash:: custom ops (Triton kernels on CUDA,
         PyTorch references on CPU); None = on for CUDA when triton is installed. compile: run the round
@@ -207,6 +210,8 @@ class ModelRunner:
         self.mask_token_id = drafter.mask_token_id if drafter is not None else 0
         # sampled rounds' uniforms from dflash_rng::uniform on CPU (spec/native_uniform.py): same values
         self.native_uniform = self.device.type == "cpu" and native_uniform.available()
+        # DDTree rounds' trees from dflash_tree::best_first on CPU (spec/native_tree.py): eager or compiled
+        self.native_tree = trees and self.device.type == "cpu" and native_tree.available()
         self._setup_graphs(cuda_graphs, graph_batch_sizes, static_rounds)
         self.plugins: Any = None  # dflash_trt.plugins.drafting.DrafterPlugins when on
         self._greedy_accept, self._rejection_accept = greedy_accept, rejection_accept
@@ -279,6 +284,8 @@ class ModelRunner:
             ),
             # whether sampled rounds hash their uniforms in dflash_rng::uniform: DFLASH_TRT_CPU_UNIFORM
             "native_uniform": self.native_uniform,
+            # whether tree rounds build their trees in dflash_tree::best_first: DFLASH_TRT_CPU_TREE
+            "native_tree": self.native_tree,
             # which attention modules read the paged caches in place: DFLASH_TRT_CPU_ATTENTION changes them
             "paged_attention": sum(
                 bool(getattr(a, "paged_kernel", False))
@@ -559,7 +566,10 @@ class ModelRunner:
         """DDTree: draft, build each request's tree of `budget` nodes, verify it, walk it, commit."""
         g = c.block_pos.shape[1] - 1
         d_logits = self._draft_logits(c.anchors, c.block_pos, c.block_lens, c.ctx_idx)  # [bs, g, V]
-        build = build_tree_host if self._host_trees(c.anchors.shape[0] * budget) else build_tree
+        if self.native_tree:
+            build = build_tree_native
+        else:
+            build = build_tree_host if self._host_trees(c.anchors.shape[0] * budget) else build_tree
         tree = build(d_logits, c.anchors, budget=budget, max_depth=c.block_lens - 1)
         t_verify = self._phase_clock()
         logits, taps, node_slots = self._verify_tree(tree, c.starts, c.tables, c.ctx_idx, c.cap)

@@ -18,10 +18,8 @@ and FMA, a C++ compiler or a writable kernel cache, or with DFLASH_TRT_CPU_ATTEN
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
@@ -29,8 +27,6 @@ from torch import nn
 
 from dflash_trt.layers import native
 from dflash_trt.utils.device import cpu_flags
-
-log = logging.getLogger(__name__)
 
 SWITCH_ENV = "DFLASH_TRT_CPU_ATTENTION"  # "0": gather the context and use SDPA everywhere
 SOURCE = "paged_attention_op.cpp"
@@ -63,12 +59,8 @@ def enable(model: nn.Module, *, device: torch.device, dtype: torch.dtype) -> int
 
 @functools.cache
 def _load() -> bool:
-    try:
-        isa = ("-mavx512f",) if "avx512f" in cpu_flags() else ("-mavx2", "-mfma")
-        path = native.torch_op_library(Path(__file__).with_name(SOURCE), isa)
-        torch.ops.load_library(str(path))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("dflash_trt's CPU paged attention is unavailable (%s); using torch's SDPA", exc)
+    isa = ("-mavx512f",) if "avx512f" in cpu_flags() else ("-mavx2", "-mfma")
+    if not native.load_torch_op(Path(__file__).with_name(SOURCE), isa, "CPU paged attention", "torch's SDPA"):
         return False
 
     @torch.library.register_fake("dflash_cpu::paged_attention")

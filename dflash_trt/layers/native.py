@@ -96,3 +96,16 @@ def torch_op_library(source: Path, isa_flags: Sequence[str]) -> Path:
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
     return compiled_library(cxx, source, flags, libs, torch.__version__.encode())
+
+
+def load_torch_op(source: Path, isa_flags: Sequence[str], what: str, fallback: str) -> bool:
+    """Build (or find) and load the operator library of `source`. False, with one warning naming `what`
+    is unavailable and that `fallback` is used instead, where it cannot be built or loaded here."""
+    import torch
+
+    try:
+        torch.ops.load_library(str(torch_op_library(source, isa_flags)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("dflash_trt's %s is unavailable (%s); using %s", what, exc, fallback)
+        return False
+    return True

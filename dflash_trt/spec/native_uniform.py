@@ -16,16 +16,12 @@ C++ compiler or a writable kernel cache, or with DFLASH_TRT_CPU_UNIFORM=0, the t
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from dflash_trt.layers import native
-
-log = logging.getLogger(__name__)
 
 SWITCH_ENV = "DFLASH_TRT_CPU_UNIFORM"  # "0": the hash in torch ops everywhere
 SOURCE = "uniform_op.cpp"
@@ -40,11 +36,7 @@ def available() -> bool:
 
 @functools.cache
 def _load() -> bool:
-    try:
-        path = native.torch_op_library(Path(__file__).with_name(SOURCE), ())
-        torch.ops.load_library(str(path))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("dflash_trt's CPU uniform operator is unavailable (%s); using torch ops", exc)
+    if not native.load_torch_op(Path(__file__).with_name(SOURCE), (), "CPU uniform operator", "torch ops"):
         return False
 
     @torch.library.register_fake("dflash_rng::uniform")

@@ -16,8 +16,10 @@ score of (parent, rank r) is score(parent) + L_δ[r] with L_δ the same for ever
 `budget` per depth followed by one stable sort over all depths selects them, on device with no
 host sync (CUDA graphs, torch.compile). `best_first_tree` is the heap itself, and `build_tree_host`
 packs its trees into the same tensors: cheaper on CPU at small batch, where `build_tree`'s g - 1
-top-k steps cost more in dispatch than a few hundred heap operations. Node order = selection
-order, so parents precede children.
+top-k steps cost more in dispatch than a few hundred heap operations. `build_tree_native` is the
+heap as a CPU operator (`dflash_tree::best_first`, spec/native_tree.py) over every request at
+once, eager or inside a compiled round: CPU rounds use it where it can be built. Node order =
+selection order, so parents precede children.
 
 Tensors of a tree for bs requests, N = budget + 1 nodes (node 0 is the root: the anchor at
 position `start`; node i sits at position start + depth_i): see `DraftTree`. Requests whose tree
@@ -159,6 +161,37 @@ def _beams(top_lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.cat(scores, dim=1), flat_all % k, parent_cols
 
 
+def depth_candidates(
+    draft_logits: torch.Tensor, *, budget: int, max_depth: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every depth's top-k (k = min(budget, V)) log-probabilities [bs, g, k] float32, sorted best first
+    and clamped to LOG_PROB_FLOOR (-inf past a request's depth limit), and their tokens [bs, g, k]."""
+    g, vocab = draft_logits.shape[1], draft_logits.shape[2]
+    log_q = torch.log_softmax(draft_logits.float(), dim=-1)
+    top_lp, top_tok = log_q.topk(min(budget, vocab), dim=-1)
+    top_lp = top_lp.clamp_min(LOG_PROB_FLOOR)
+    if max_depth is not None:
+        too_deep = torch.arange(1, g + 1, device=draft_logits.device)[None, :] > max_depth[:, None]  # [bs, g]
+        top_lp = top_lp.masked_fill(too_deep[..., None], float("-inf"))
+    return top_lp, top_tok
+
+
+def build_tree_native(
+    draft_logits: torch.Tensor,
+    anchors: torch.Tensor,
+    *,
+    budget: int,
+    max_depth: torch.Tensor | None = None,
+) -> DraftTree:
+    """`build_tree`'s arguments, `best_first_tree`'s nodes for every request, from the CPU operator
+    `dflash_tree::best_first` (spec/native_tree.py; the caller checks that it is available). Eager or
+    inside a compiled round: one extern call after the depths' top-k."""
+    if budget < 1:
+        raise ValueError(f"budget={budget}: a tree needs at least one drafted node")
+    top_lp, top_tok = depth_candidates(draft_logits, budget=budget, max_depth=max_depth)
+    return DraftTree(*torch.ops.dflash_tree.best_first(top_lp, top_tok, anchors.long(), budget))
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     anchors: torch.Tensor,
@@ -171,20 +204,14 @@ def build_tree(
     draft_logits: [bs, g, V] (slot δ - 1 = depth δ, raw logits: no temperature); anchors: [bs];
     max_depth: [bs] optional per-request depth limit in [0, g] (a block of size B_i has depth B_i - 1).
     """
-    bs, g, vocab = draft_logits.shape
+    bs, g, _ = draft_logits.shape
     if budget < 1:
         raise ValueError(f"budget={budget}: a tree needs at least one drafted node")
     if g == 0:
         return _root_only(anchors, budget)
     n = budget
-    k = min(n, vocab)
     dev = draft_logits.device
-    log_q = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_tok = log_q.topk(k, dim=-1)  # [bs, g, k], sorted best first
-    top_lp = top_lp.clamp_min(LOG_PROB_FLOOR)
-    if max_depth is not None:
-        too_deep = torch.arange(1, g + 1, device=dev)[None, :] > max_depth[:, None]  # [bs, g]
-        top_lp = top_lp.masked_fill(too_deep[..., None], float("-inf"))
+    top_lp, top_tok = depth_candidates(draft_logits, budget=budget, max_depth=max_depth)
 
     all_scores, ranks, parent_cols = _beams(top_lp, n)
 
