@@ -169,15 +169,15 @@ class ModelRunner:
         compile_dir: str | None = None,
         trees: bool = False,
     ) -> None:
-        """trees: rounds may verify DDTrees (on CPU their trees then come from dflash_tree::best_first,
-        built at start-up where it can be: spec/native_tree.py). static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
+        """static_rounds: run rounds from padded static buffers even without CUDA graphs (on CPU this
         exercises exactly the padding a captured round sees; tests use it). use_plugins: run KV
         injection, block attention and acceptance on the dflash:: custom ops (Triton kernels on CUDA,
         PyTorch references on CPU); None = on for CUDA when triton is installed. compile: run the round
         through torch.compile (inductor) with dynamic batch and context sizes: one compilation per
         (g, tree budget, sampling flags, batch 1 or more), then fused kernels instead of hundreds of
         dispatches. compile_dir: where compiled rounds are saved and looked for (engine/compile.py);
-        None keeps them in memory only."""
+        None keeps them in memory only. trees: rounds may verify DDTrees (on CPU their trees then come
+        from dflash_tree::best_first, built at start-up where it can be: spec/native_tree.py)."""
         self.target = target
         self.drafter = drafter
         self.device = target.model.embed_tokens.weight.device
