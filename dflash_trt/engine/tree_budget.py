@@ -22,7 +22,11 @@ from dflash_trt.errors import ConfigError
 
 __all__ = ["AUTO_BUDGETS", "EXPLORE_ROUNDS", "BudgetPolicy", "batch_bucket"]
 
-AUTO_BUDGETS = (0, 16, 32, 64)  # "auto" chooses among these (0 = linear DFlash)
+# "auto" chooses among these (0 = linear DFlash). A tree of N nodes verifies N + 1 rows with its root: 16,
+# 32 and 64, whole 16-row tiles of the CPU GEMMs (and of GPU tensor-core tiles), like the 16-token chain.
+# One row more costs a tile more: on `tiny` at batch 1 a compiled 15-node tree round is 1.06x a linear
+# round, a 16-node one 1.15x, for tau 5.04 against 5.10 (bench/README.md, "Trees from one C++ operator").
+AUTO_BUDGETS = (0, 15, 31, 63)
 
 
 @dataclass

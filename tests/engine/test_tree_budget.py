@@ -11,14 +11,16 @@ from dflash_trt.engine.tree_budget import AUTO_BUDGETS, EXPLORE_ROUNDS, BudgetPo
 from dflash_trt.errors import ConfigError
 from tests.engine.test_llm import pair, spec  # noqa: F401  (pair: a fixture)
 
-# The accepted path's node indices at depths 1..5 in a budget-64 tree: a tree of b nodes keeps the
-# prefix numbered <= b, so budgets 16, 32, 64 accept 3, 4, 5 drafts (tau 4, 5, 6); the chain accepts 3.
+# The candidate trees, small to large (the auto set: 15, 31, 63 nodes).
+_, S, M, L = AUTO_BUDGETS
+# The accepted path's node indices at depths 1..5 in the largest tree: a tree of b nodes keeps the
+# prefix numbered <= b, so budgets S, M, L accept 3, 4, 5 drafts (tau 4, 5, 6); the chain accepts 3.
 PATH = [1, 2, 3, 20, 40]
-TAUS = {0: 4, 16: 4, 32: 5, 64: 6}
+TAUS = {0: 4, S: 4, M: 5, L: 6}
 # The first bucket: the candidates in turn, biggest first, once unmeasured (a budget's first round)
 # and EXPLORE_ROUNDS times measured; a later bucket: only the measured turns.
-EXPLORATION = [64, 32, 16, 0] * (1 + EXPLORE_ROUNDS)
-NEW_BUCKET = [64, 32, 16, 0] * EXPLORE_ROUNDS
+EXPLORATION = [L, M, S, 0] * (1 + EXPLORE_ROUNDS)
+NEW_BUCKET = [L, M, S, 0] * EXPLORE_ROUNDS
 
 
 def feed(policy: BudgetPolicy, n: int, steps: int, cost) -> list[int]:
@@ -74,12 +76,12 @@ def test_auto_explores_then_follows_the_cost_per_token():
     # the candidates in turn, the biggest tree first (it also measures the smaller trees' tau)
     assert feed(policy, 1, len(EXPLORATION), cost) == EXPLORATION
     assert {b: policy.tau(b) for b in AUTO_BUDGETS} == pytest.approx(TAUS)
-    assert feed(policy, 1, 5, cost) == [64] * 5
+    assert feed(policy, 1, 5, cost) == [L] * 5
     # batch 32 is another bucket: explored, then the chain
     assert feed(policy, 32, len(NEW_BUCKET) + 5, cost) == NEW_BUCKET + [0] * 5
     rates = {b: policy.rate(b, 32) for b in AUTO_BUDGETS}
     assert rates == pytest.approx({b: 32 * TAUS[b] / cost(b, 32) for b in AUTO_BUDGETS})
-    assert policy.best(32) == 0 and policy.best(1) == 64 and policy.summary()["tree_budget"] == 0
+    assert policy.best(32) == 0 and policy.best(1) == L and policy.summary()["tree_budget"] == 0
 
 
 def test_auto_reexplores_and_follows_a_change():
@@ -96,11 +98,11 @@ def test_auto_reexplores_and_follows_a_change():
     exploring = [i >= start and i % 4 == 3 for i in range(start + 32)]
     assert {b for b, e in zip(chosen[start:], exploring[start:]) if not e} == {0}  # the chain wins
     # the chain's one neighbour twice, then a farther candidate, each in turn
-    assert [b for b, e in zip(chosen, exploring) if e] == [16, 16, 32, 16, 16, 64, 16, 16]
+    assert [b for b, e in zip(chosen, exploring) if e] == [S, S, M, S, S, L, S, S]
     expensive["tree"] = False
     chosen = feed(policy, 1, 240, cost)
     settled = [b for i, b in enumerate(chosen, start=start + 32) if i % 4 != 3][-40:]
-    assert settled == [64] * 40  # once the explorations brought the trees' cost down
+    assert settled == [L] * 40  # once the explorations brought the trees' cost down
 
 
 def test_auto_is_not_fooled_by_a_load_change():
@@ -114,17 +116,18 @@ def test_auto_is_not_fooled_by_a_load_change():
     policy = BudgetPolicy(explore_every=10)
     start = len(EXPLORATION) + 10
     chosen = feed(policy, 1, start, cost)
-    assert {b for i, b in enumerate(chosen) if i >= len(EXPLORATION) and i % 10 != 9} == {64}
+    assert {b for i, b in enumerate(chosen) if i >= len(EXPLORATION) and i % 10 != 9} == {L}
     load["factor"] = 3.0
     chosen = feed(policy, 1, 64, cost)
-    assert {b for i, b in enumerate(chosen, start=start) if i % 10 != 9} == {64}  # besides the explorations
+    assert {b for i, b in enumerate(chosen, start=start) if i % 10 != 9} == {L}  # besides the explorations
     assert policy.round_seconds(0, 1) == pytest.approx(cost(0, 1), rel=0.1)  # at the new load
 
 
 def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
     """The engine times each round with its clock and feeds the policy. With a fake clock whose
-    rounds cost a flat second alone and 0.5 s per verified row in a batch (a compute-bound verify),
-    a request alone runs trees and a full batch backs off to the chain, whose length the draft-length
+    rounds cost a flat second alone and 0.5 s per verified row in a batch (a compute-bound verify;
+    a tree's rows 1 s, for its mask, walk and compaction), a request alone runs trees and a full batch
+    backs off to the chain, whose length the draft-length
     policy chooses as in linear DFlash. The per-round budgets reach the request metrics and the engine
     stats."""
     tdir, ddir, _ = pair
@@ -132,7 +135,7 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
              max_seq_len=256) as llm:  # fmt: skip
         engine = llm.engine
         rounds = fake_clock(
-            engine, lambda n, g, b: 1.0 if n == 1 else 1.0 + 0.5 * n * (b + 1 if b else g + 1)
+            engine, lambda n, g, b: 1.0 if n == 1 else 1.0 + 0.5 * n * (2 * (b + 1) if b else g + 1)
         )
         engine.budgets.explore_every = 10_000  # no re-exploration (its own test above)
         sp = SamplingParams(max_tokens=120, return_perf_metrics=True)
@@ -151,7 +154,7 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
         explored = block[: len(NEW_BUCKET)]  # the draft-length policy may leave the full block earlier
         assert explored == NEW_BUCKET[: len(explored)] and set(block[len(NEW_BUCKET) :]) <= {0}
         assert {b for g, b in full if g != k} <= {0} and {g for g, _ in full} > {k}
-    assert llm.engine.budgets.tau(64) >= llm.engine.budgets.tau(16)
+    assert llm.engine.budgets.tau(L) >= llm.engine.budgets.tau(S)
 
 
 def test_warm_up_runs_every_budget_and_its_rounds_are_not_measured(pair):  # noqa: F811
@@ -177,5 +180,5 @@ def test_warm_up_runs_every_budget_and_its_rounds_are_not_measured(pair):  # noq
     engine.runner.decode_round = spy
     engine.warm_up()
     assert set(seen) == {(b, sampled) for b in AUTO_BUDGETS for sampled in (False, True)}
-    assert engine.budgets.override is None and engine.budgets.tau(16) is None
-    assert engine.budgets.round_seconds(64, 1) is None and engine.budgets.choose(1) == max(AUTO_BUDGETS)
+    assert engine.budgets.override is None and engine.budgets.tau(S) is None
+    assert engine.budgets.round_seconds(L, 1) is None and engine.budgets.choose(1) == max(AUTO_BUDGETS)
