@@ -36,17 +36,24 @@ def _path_to(tree: DraftTree, b: int, i: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_batched_tree_equals_heap_expansion(seed):
+def _random_cases(seed: int, *, max_bs: int, max_g: int, max_vocab: int):
+    """25 random (drafter logits [bs, g, V], anchors, per-request depth limits, budget) of a tree builder."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(25):
-        bs = int(torch.randint(1, 4, (), generator=gen))
-        g = int(torch.randint(1, 9, (), generator=gen))
-        vocab = int(torch.randint(2, 50, (), generator=gen))
+        bs = int(torch.randint(1, max_bs + 1, (), generator=gen))
+        g = int(torch.randint(1, max_g + 1, (), generator=gen))
+        vocab = int(torch.randint(2, max_vocab + 1, (), generator=gen))
         budget = int(torch.randint(1, 70, (), generator=gen))
         logits = torch.randn(bs, g, vocab, generator=gen) * float(torch.rand((), generator=gen) * 6 + 0.1)
         anchors = torch.randint(0, vocab, (bs,), generator=gen)
         max_depth = torch.randint(0, g + 1, (bs,), generator=gen)
+        yield logits, anchors, max_depth, budget
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_tree_equals_heap_expansion(seed):
+    for logits, anchors, max_depth, budget in _random_cases(seed, max_bs=3, max_g=8, max_vocab=49):
+        bs, _, vocab = logits.shape
         tree = build_tree(logits, anchors, budget=budget, max_depth=max_depth)
         host = build_tree_host(logits, anchors, budget=budget, max_depth=max_depth)
         for got, want in zip(host, tree):
@@ -73,15 +80,7 @@ def test_native_tree_builder_equals_the_batched_builder(seed):
     from dflash_trt.spec import native_tree
 
     assert native_tree.available()
-    gen = torch.Generator().manual_seed(100 + seed)
-    for _ in range(25):
-        bs = int(torch.randint(1, 5, (), generator=gen))
-        g = int(torch.randint(1, 16, (), generator=gen))
-        vocab = int(torch.randint(2, 300, (), generator=gen))
-        budget = int(torch.randint(1, 70, (), generator=gen))
-        logits = torch.randn(bs, g, vocab, generator=gen) * float(torch.rand((), generator=gen) * 6 + 0.1)
-        anchors = torch.randint(0, vocab, (bs,), generator=gen)
-        max_depth = torch.randint(0, g + 1, (bs,), generator=gen)
+    for logits, anchors, max_depth, budget in _random_cases(100 + seed, max_bs=4, max_g=15, max_vocab=299):
         want = build_tree(logits, anchors, budget=budget, max_depth=max_depth)
         got = build_tree_native(logits, anchors, budget=budget, max_depth=max_depth)
         for a, b in zip(got, want):

@@ -17,8 +17,6 @@ and FMA, a C++ compiler or a writable kernel cache, or with DFLASH_TRT_CPU_ATTEN
 
 from __future__ import annotations
 
-import functools
-import os
 import platform
 from pathlib import Path
 
@@ -29,18 +27,15 @@ from dflash_trt.layers import native
 from dflash_trt.utils.device import cpu_flags
 
 SWITCH_ENV = "DFLASH_TRT_CPU_ATTENTION"  # "0": gather the context and use SDPA everywhere
-SOURCE = "paged_attention_op.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available() -> bool:
-    """Whether the operator runs here: the switch, an x86-64 CPU with AVX2 and FMA, and the operator
+    """Whether the operator runs here: an x86-64 CPU with AVX2 and FMA, the switch, and the operator
     built and loaded (built at the first call)."""
-    if os.environ.get(SWITCH_ENV, "1") == "0":
-        return False
     if platform.machine().lower() not in ("x86_64", "amd64") or not cpu_flags() >= {"avx2", "fma"}:
         return False
-    return _load()
+    return _OP.available()
 
 
 def enable(model: nn.Module, *, device: torch.device, dtype: torch.dtype) -> int:
@@ -57,12 +52,7 @@ def enable(model: nn.Module, *, device: torch.device, dtype: torch.dtype) -> int
     return len(modules)
 
 
-@functools.cache
-def _load() -> bool:
-    isa = ("-mavx512f",) if "avx512f" in cpu_flags() else ("-mavx2", "-mfma")
-    if not native.load_torch_op(Path(__file__).with_name(SOURCE), isa, "CPU paged attention", "torch's SDPA"):
-        return False
-
+def _fakes() -> None:
     @torch.library.register_fake("dflash_cpu::paged_attention")
     def _(
         q: torch.Tensor,
@@ -76,4 +66,7 @@ def _load() -> bool:
     ) -> torch.Tensor:
         return q.new_empty(q.shape)
 
-    return True
+
+_OP = native.TorchOp(Path(__file__).with_name("paged_attention_op.cpp"), SWITCH_ENV, "CPU paged attention",
+                     "torch's SDPA", fakes=_fakes,
+                     isa_flags=lambda: ("-mavx512f",) if "avx512f" in cpu_flags() else ("-mavx2", "-mfma"))  # fmt: skip

@@ -98,14 +98,33 @@ def torch_op_library(source: Path, isa_flags: Sequence[str]) -> Path:
     return compiled_library(cxx, source, flags, libs, torch.__version__.encode())
 
 
-def load_torch_op(source: Path, isa_flags: Sequence[str], what: str, fallback: str) -> bool:
-    """Build (or find) and load the operator library of `source`. False, with one warning naming `what`
-    is unavailable and that `fallback` is used instead, where it cannot be built or loaded here."""
-    import torch
+class TorchOp:
+    """One of dflash-trt's C++ torch operators, built at first use. `available()` reads its switch
+    (`switch_env=0`: the torch path everywhere), then, once per process, builds and loads the library
+    (`torch_op_library`) and registers the operator's fake implementations (`fakes`, what torch.compile
+    traces instead of running it). isa_flags: the compiler flags for this CPU, asked at the build.
+    Where it cannot be built or loaded, one warning names `what` and the `fallback` used instead."""
 
-    try:
-        torch.ops.load_library(str(torch_op_library(source, isa_flags)))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("dflash_trt's %s is unavailable (%s); using %s", what, exc, fallback)
-        return False
-    return True
+    def __init__(self, source: Path, switch_env: str, what: str, fallback: str, *, fakes: Callable[[], object],
+                 isa_flags: Callable[[], Sequence[str]] = tuple) -> None:  # fmt: skip
+        self.source, self.switch_env, self.what, self.fallback = source, switch_env, what, fallback
+        self.fakes, self.isa_flags = fakes, isa_flags
+        self._loaded: bool | None = None
+
+    def available(self) -> bool:
+        if os.environ.get(self.switch_env, "1") == "0":
+            return False
+        if self._loaded is None:
+            self._loaded = self._load()
+        return self._loaded
+
+    def _load(self) -> bool:
+        import torch
+
+        try:
+            torch.ops.load_library(str(torch_op_library(self.source, self.isa_flags())))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            log.warning("dflash_trt's %s is unavailable (%s); using %s", self.what, exc, self.fallback)
+            return False
+        self.fakes()
+        return True

@@ -18,8 +18,6 @@ DFLASH_TRT_CPU_TREE=0, the torch builders are used.
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 
 import torch
@@ -27,21 +25,9 @@ import torch
 from dflash_trt.layers import native
 
 SWITCH_ENV = "DFLASH_TRT_CPU_TREE"  # "0": the torch tree builders everywhere
-SOURCE = "tree_op.cpp"
 
 
-def available() -> bool:
-    """Whether `dflash_tree::best_first` runs here: the switch, and the operator built and loaded."""
-    if os.environ.get(SWITCH_ENV, "1") == "0":
-        return False
-    return _load()
-
-
-@functools.cache
-def _load() -> bool:
-    if not native.load_torch_op(Path(__file__).with_name(SOURCE), (), "CPU tree builder", "torch ops"):
-        return False
-
+def _fakes() -> None:
     @torch.library.register_fake("dflash_tree::best_first")
     def _(
         top_lp: torch.Tensor, top_tok: torch.Tensor, anchors: torch.Tensor, budget: int
@@ -51,4 +37,11 @@ def _load() -> bool:
         flag = anchors.new_empty((bs, n1), dtype=torch.bool)
         return long, long.clone(), long.clone(), flag, anchors.new_empty((bs, n1, n1), dtype=torch.bool)
 
-    return True
+
+_OP = native.TorchOp(Path(__file__).with_name("tree_op.cpp"), SWITCH_ENV, "CPU tree builder", "torch ops",
+                     fakes=_fakes)  # fmt: skip
+
+
+def available() -> bool:
+    """Whether `dflash_tree::best_first` runs here: the switch, and the operator built and loaded."""
+    return _OP.available()

@@ -15,8 +15,6 @@ C++ compiler or a writable kernel cache, or with DFLASH_TRT_CPU_UNIFORM=0, the t
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 
 import torch
@@ -24,23 +22,18 @@ import torch
 from dflash_trt.layers import native
 
 SWITCH_ENV = "DFLASH_TRT_CPU_UNIFORM"  # "0": the hash in torch ops everywhere
-SOURCE = "uniform_op.cpp"
 
 
-def available() -> bool:
-    """Whether `dflash_rng::uniform` runs here: the switch, and the operator built and loaded."""
-    if os.environ.get(SWITCH_ENV, "1") == "0":
-        return False
-    return _load()
-
-
-@functools.cache
-def _load() -> bool:
-    if not native.load_torch_op(Path(__file__).with_name(SOURCE), (), "CPU uniform operator", "torch ops"):
-        return False
-
+def _fakes() -> None:
     @torch.library.register_fake("dflash_rng::uniform")
     def _(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:
         return positions.new_empty(positions.shape, dtype=torch.float32)
 
-    return True
+
+_OP = native.TorchOp(Path(__file__).with_name("uniform_op.cpp"), SWITCH_ENV, "CPU uniform operator", "torch ops",
+                     fakes=_fakes)  # fmt: skip
+
+
+def available() -> bool:
+    """Whether `dflash_rng::uniform` runs here: the switch, and the operator built and loaded."""
+    return _OP.available()

@@ -166,6 +166,8 @@ def depth_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every depth's top-k (k = min(budget, V)) log-probabilities [bs, g, k] float32, sorted best first
     and clamped to LOG_PROB_FLOOR (-inf past a request's depth limit), and their tokens [bs, g, k]."""
+    if budget < 1:
+        raise ValueError(f"budget={budget}: a tree needs at least one drafted node")
     g, vocab = draft_logits.shape[1], draft_logits.shape[2]
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)
     top_lp, top_tok = log_q.topk(min(budget, vocab), dim=-1)
@@ -186,8 +188,6 @@ def build_tree_native(
     """`build_tree`'s arguments, `best_first_tree`'s nodes for every request, from the CPU operator
     `dflash_tree::best_first` (spec/native_tree.py; the caller checks that it is available). Eager or
     inside a compiled round: one extern call after the depths' top-k."""
-    if budget < 1:
-        raise ValueError(f"budget={budget}: a tree needs at least one drafted node")
     top_lp, top_tok = depth_candidates(draft_logits, budget=budget, max_depth=max_depth)
     return DraftTree(*torch.ops.dflash_tree.best_first(top_lp, top_tok, anchors.long(), budget))
 
@@ -205,13 +205,11 @@ def build_tree(
     max_depth: [bs] optional per-request depth limit in [0, g] (a block of size B_i has depth B_i - 1).
     """
     bs, g, _ = draft_logits.shape
-    if budget < 1:
-        raise ValueError(f"budget={budget}: a tree needs at least one drafted node")
+    top_lp, top_tok = depth_candidates(draft_logits, budget=budget, max_depth=max_depth)
     if g == 0:
         return _root_only(anchors, budget)
     n = budget
     dev = draft_logits.device
-    top_lp, top_tok = depth_candidates(draft_logits, budget=budget, max_depth=max_depth)
 
     all_scores, ranks, parent_cols = _beams(top_lp, n)
 

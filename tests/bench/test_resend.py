@@ -92,9 +92,8 @@ def test_resends_are_bounded_and_other_failures_are_errors() -> None:
     raw, events, posts = _run([_closed()] * (RESEND_ATTEMPTS + 1))
     assert posts == RESEND_ATTEMPTS + 1 and raw.resends == RESEND_ATTEMPTS and events == []
     assert raw.error is not None and "Can not write request body" in raw.error
-    raw, _, posts = _run(
-        [aiohttp.ServerDisconnectedError()]
-    )  # a fresh connection: the server may have seen it
+    # a fresh connection closed unanswered: the server may have seen the request
+    raw, _, posts = _run([aiohttp.ServerDisconnectedError()])
     assert posts == 1 and raw.resends == 0 and "ServerDisconnectedError" in (raw.error or "")
 
 
@@ -129,9 +128,8 @@ def test_against_a_server_that_closes_its_kept_alive_connections() -> None:
                 )
                 await reader.readexactly(length)
                 seen[me] += 1
-                if (
-                    seen[me] > 1 or closing_fresh
-                ):  # the kept-alive connection's next request: closed unanswered
+                # the kept-alive connection's next request, or any request once closing_fresh: unanswered
+                if seen[me] > 1 or closing_fresh:
                     break
                 writer.write(answer)
                 await writer.drain()
