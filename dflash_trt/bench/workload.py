@@ -80,11 +80,11 @@ def _sha256(path: Path) -> str:
 
 
 def load_tokenizer(name_or_dir: str) -> Any:
-    """A Hugging Face tokenizer by hub name or directory; `tiny` is the embedded tiny model's."""
-    if name_or_dir == "tiny":
-        from dflash_trt.tiny import ensure_tiny
+    """A Hugging Face tokenizer by hub name or directory; a packaged pair's name (`tiny`, `smollm2-135m`)
+    or a .gguf file gives its target's."""
+    from dflash_trt import pairs
 
-        name_or_dir = str(ensure_tiny().target)
+    name_or_dir = str(pairs.resolve_target_path(name_or_dir) or name_or_dir)
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is in the torch extra

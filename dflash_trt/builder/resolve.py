@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_trt import pairs
 from dflash_trt.builder import registry
 from dflash_trt.builder.configs import ConfigReader
 from dflash_trt.builder.source import ModelSource, ResolvedPair
 from dflash_trt.errors import UsageError
-from dflash_trt.tiny import TINY_DFLASH2_NAME, TINY_NAME, ensure_tiny
 
 
 def _local(path: Path, what: str) -> ModelSource:
@@ -33,19 +33,30 @@ def _local(path: Path, what: str) -> ModelSource:
     )
 
 
+def _packaged(target: str, drafter: str | None) -> ResolvedPair:
+    """A pair this package carries (pairs.py): its target, and its default or named drafter."""
+    pair = pairs.packaged_pair(target)
+    t = _local(pair.target, "target")
+    t.kind = "embedded"
+    t.provenance["source"] = "embedded"
+    if drafter and not pairs.is_packaged_drafter(drafter):
+        return ResolvedPair(name=target, target=t, drafter=_local(Path(drafter).expanduser(), "drafter"))
+    path = pairs.packaged_drafter(drafter) if drafter else pairs.default_drafter(pair)
+    if path is None:
+        raise UsageError(
+            f"--target={target!r}: this build of dflash-trt ships no drafter for it",
+            hint="pass --drafter DIR, or train one with the recipe in build/recipes/",
+        )
+    packaged = _local(path, "drafter")
+    packaged.kind = "embedded"
+    packaged.provenance["source"] = "embedded"
+    return ResolvedPair(name=target, target=t, drafter=packaged)
+
+
 def resolve_pair(target: str, drafter: str | None, *, offline: bool = False) -> ResolvedPair:
     """Configs of the pair; Hub ids are read through a ConfigReader (see builder/configs.py)."""
-    if target == TINY_NAME:
-        paths = ensure_tiny()
-        t = _local(paths.target, "target")
-        t.kind = "embedded"
-        t.provenance["source"] = "embedded"
-        shipped = {None: paths.drafter, "": paths.drafter, TINY_DFLASH2_NAME: paths.drafter_dflash2}
-        packaged = _local(shipped.get(drafter) or Path(str(drafter)), "drafter")
-        if drafter in shipped:  # the packaged v1 drafter, or `tiny-dflash2`
-            packaged.kind = "embedded"
-            packaged.provenance["source"] = "embedded"
-        return ResolvedPair(name=TINY_NAME, target=t, drafter=packaged)
+    if pairs.is_packaged(target):
+        return _packaged(target, drafter)
     tpath = Path(target).expanduser()
     if tpath.is_dir():
         t = _local(tpath, "target")

@@ -46,7 +46,7 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     "--target",
     required=True,
     metavar="NAME_OR_DIR",
-    help="gpt-oss-120b, qwen3-8b, an HF id, a directory, or tiny.",
+    help="gpt-oss-120b, qwen3-8b, an HF id, a directory, or a packaged pair: tiny, smollm2-135m.",
 )
 @click.option("--drafter", metavar="DIR_OR_HF_ID", help="Override the registered drafter.")
 @click.option("--gpu", type=click.Choice(["a100", "h100", "h200", "b200", "b300", "gb200", "gb300", "cpu"]), default=None,
@@ -198,5 +198,5 @@ def models(as_json: bool) -> None:
                    f"{e.drafter_gib:>5.2f}  {e.attention}{mark}")  # fmt: skip
     click.echo(
         "* target id inferred from the drafter's name (unverified); (offline): configs shipped with "
-        "dflash-trt, plans without the Hub; plus `tiny`, the embedded pair"
+        "dflash-trt, plans without the Hub; plus the packaged pairs `tiny` and `smollm2-135m`"
     )

