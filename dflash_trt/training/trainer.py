@@ -3,7 +3,8 @@
 
 The target is frozen and shares its embedding and LM head (also frozen) with the drafter; only
 `fc`, `hidden_norm`, the draft layers and `norm` train. Each step: the target runs once over the
-batch (no grad) to give the features at `target_layer_ids`; fresh anchors per sample and epoch;
+batch (no grad) to give the features at `target_layer_ids` (or they come from --feature-cache, computed
+once per sample); fresh anchors per sample and epoch;
 one training forward over all blocks (training.forward); the decayed cross entropy; AdamW with
 linear warm-up and cosine decay, gradient clip 1.0.
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from dflash_trt.models.dflash_config import DFlashConfig, TargetInfo
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.reference.hf_target import HFTarget
+    from dflash_trt.training.feature_cache import FeatureCache
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ EVAL_FILE = "eval.json"
 # Fields that may differ when resuming (they do not change what has been trained so far).
 RESUMABLE_CHANGES = frozenset(
     {"steps", "epochs", "out", "save_every", "log_every", "eval_prompts", "eval_data", "eval_max_new_tokens",
-     "device", "regen_cache", "regen_batch_size"}
+     "device", "regen_cache", "regen_batch_size", "feature_cache"}
 )  # fmt: skip
 
 
@@ -92,6 +94,9 @@ class TrainConfig:
     regen_prompt_len: tuple[int, int] = (16, 256)
     regen_batch_size: int = 32
     regen_cache: str | None = None  # default: OUT/regenerated
+    feature_cache: str | None = (
+        None  # the target's features per sample, kept here (training/feature_cache.py)
+    )
     eval_prompts: int = 16
     eval_data: str | None = None
     eval_max_new_tokens: int = 128
@@ -537,6 +542,7 @@ class _Run:
     drafter: DFlashDrafter
     opt: torch.optim.Optimizer
     step: int
+    features: FeatureCache | None = None  # --feature-cache
 
     def checkpoint(self) -> None:
         """Export the drafter (z-lab layout) and save drafter + optimizer + step for --resume."""
@@ -580,6 +586,7 @@ def train_drafter(
     run = _Run(
         cfg=cfg, pair=pair, out=out, samples=samples, samples_digest=digest, steps_per_epoch=steps_per_epoch,
         total=total, pad_id=int(eos if eos is not None else 0), drafter=drafter, opt=opt, step=step,
+        features=_feature_cache(cfg, pair),
     )  # fmt: skip
     _write_args(run, num_eval_prompts=len(prompts))
     history, last_loss = _train_loop(run, progress=progress, report=report)
@@ -588,6 +595,15 @@ def train_drafter(
         out=out, steps=run.step, final_loss=last_loss, eval=evaluation, seconds=time.perf_counter() - t_start,
         log=history,
     )  # fmt: skip
+
+
+def _feature_cache(cfg: TrainConfig, pair: _Pair) -> FeatureCache | None:
+    from dflash_trt.training.feature_cache import FeatureCache, target_key
+
+    if cfg.feature_cache is None:
+        return None
+    key = target_key(pair.target_dir, pair.dcfg.target_layer_ids, pair.dtype)
+    return FeatureCache(Path(cfg.feature_cache).expanduser(), key)
 
 
 def _saved_state(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
@@ -798,7 +814,12 @@ def _train_step(run: _Run, *, warmup: int) -> tuple[Any, float, float, torch.Ten
     ]  # fmt: skip
     ids, mask, lengths = ids.to(dev), mask.to(dev), lengths.to(dev)
     bb = make_block_batch(ids, mask, lengths, anchors, block_size=block, gamma=cfg.gamma)
-    feats = target_features(run.pair.target.model, ids, run.pair.dcfg.target_layer_ids)  # [bs, S, K * D]
+    layer_ids = run.pair.dcfg.target_layer_ids
+    compute = lambda x: target_features(run.pair.target.model, x, layer_ids)  # noqa: E731
+    feats = (  # [bs, S, K * D]
+        compute(ids) if run.features is None
+        else run.features.batch([run.samples[i].input_ids for i in idx], ids, compute)
+    )  # fmt: skip
     lr = lr_at(run.step, total=run.total, warmup=warmup, peak=cfg.lr, min_ratio=0.0)
     for group in run.opt.param_groups:
         group["lr"] = lr

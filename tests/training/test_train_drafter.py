@@ -302,3 +302,34 @@ def test_resume_never_unpickles_arbitrary_objects(tmp_path, kind):
     ):
         _saved_state(cfg, out)
     assert not marker.exists()
+
+
+def test_feature_cache_trains_the_same_drafter_without_the_target(toy, tmp_path, cli, monkeypatch):
+    """--feature-cache: the first run stores each sample's features; a second run (another drafter on
+    the same target and data) trains from them alone, to the weights the target's features give."""
+    from safetensors.torch import load_file
+
+    from dflash_trt.training import trainer
+
+    tdir, data = toy
+    cache = tmp_path / "features"
+    args = lambda out: [*base_args(tdir, data, out), "--steps", "4", "--eval-prompts", "0"]  # noqa: E731
+    code, _, err = cli([*args(tmp_path / "plain")])
+    assert code == 0, err
+    code, _, err = cli([*args(tmp_path / "first"), "--feature-cache", str(cache)])
+    assert code == 0, err
+    entries = sorted(cache.glob("*.pt"))
+    assert entries and not list(cache.glob(".entry.*")), "whole entries only"
+
+    def no_target(*a, **k):
+        raise AssertionError("the target ran although every sample's features were cached")
+
+    monkeypatch.setattr(trainer, "target_features", no_target)
+    code, _, err = cli([*args(tmp_path / "second"), "--feature-cache", str(cache)])
+    assert code == 0, err
+    assert sorted(cache.glob("*.pt")) == entries
+    ref = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    for run in ("first", "second"):
+        got = load_file(str(tmp_path / run / "model.safetensors"))
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5)
