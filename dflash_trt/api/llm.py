@@ -53,18 +53,20 @@ _ACCEPTED_NOOP = {
 }
 
 
-# Below this width a CPU forward pass is mostly per-operator overhead: extra intra-op threads only
-# add synchronisation. Measured on `tiny` (hidden 128, 2 idle cores): plain decoding 168 tok/s on
-# one thread vs 140 on two; on a busy machine two threads were ~30x slower.
-SINGLE_THREAD_BELOW_HIDDEN = 1024
 DEFAULT_WEDGE_TIMEOUT_S = 60.0  # a step that makes no progress this long with work pending is a wedge
 
 
-def cpu_threads_for(hidden_size: int, requested: int | None) -> int | None:
-    """The CPU thread count to set (None = leave torch's setting alone)."""
+def cpu_threads_for(num_step_parameters: int, requested: int | None) -> int | None:
+    """The CPU thread count to set (None = leave torch's setting alone). A model whose weights stay in
+    the caches (utils/device.streams_weights) runs on one thread: its forward pass is mostly per-operator
+    overhead, which more threads only synchronise (`tiny`, 2 idle cores: plain decoding 168 tok/s on one
+    thread, 140 on two; ~30x slower on two when the machine was busy). One that streams its weights
+    reads them faster with every core (SmolLM2-135M: bench/README.md)."""
+    from dflash_trt.utils.device import streams_weights
+
     if requested is not None:
         return requested
-    if os.environ.get("OMP_NUM_THREADS") or hidden_size >= SINGLE_THREAD_BELOW_HIDDEN:
+    if os.environ.get("OMP_NUM_THREADS") or streams_weights(num_step_parameters):
         return None
     return 1
 
@@ -82,8 +84,8 @@ class LLM:
     enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
     CUDA when triton is installed, False forces the PyTorch path), cpu_threads (torch's intra-op
-    threads on CPU, process-wide; default: 1 for models narrower than 1024 when OMP_NUM_THREADS is
-    unset, else torch's own default; see `cpu_threads_for`), compile (torch.compile the round with
+    threads on CPU, process-wide; default: 1 for a model whose weights stay in the CPU's caches when
+    OMP_NUM_THREADS is unset, else torch's own default; see `cpu_threads_for`), compile (torch.compile the round with
     inductor; the compilation runs here, before the first request: tens of seconds on CPU),
     wedge_timeout_s (the watchdog: an engine step that makes no progress this long while requests are
     pending kills the engine; None turns the watchdog off).
@@ -138,9 +140,12 @@ class LLM:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
         checkpoint_dtype = DTYPES.get(tcfg.checkpoint_dtype or "")
         self.dtype = resolve_dtype(
-            dtype, self.device, checkpoint_dtype=checkpoint_dtype, hidden_size=tcfg.hidden_size
+            dtype,
+            self.device,
+            checkpoint_dtype=checkpoint_dtype,
+            num_step_parameters=tcfg.num_step_parameters(),
         )
-        self.cpu_threads = _set_cpu_threads(self.device, tcfg.hidden_size, cpu_threads)
+        self.cpu_threads = _set_cpu_threads(self.device, tcfg.num_step_parameters(), cpu_threads)
         self.engine_config = _engine_config(
             max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens,
@@ -664,7 +669,7 @@ def _tokenizer(tokenizer: str | Path | Any | None, target_dir: Path) -> Any | No
     return tokenizer if tokenizer is not None else load_tokenizer(target_dir)
 
 
-def _set_cpu_threads(device: Any, hidden_size: int, requested: int | None) -> int | None:
+def _set_cpu_threads(device: Any, num_step_parameters: int, requested: int | None) -> int | None:
     """Apply the CPU thread policy; return the engine thread's count (None off the CPU)."""
     import torch
 
@@ -672,7 +677,7 @@ def _set_cpu_threads(device: Any, hidden_size: int, requested: int | None) -> in
         raise ConfigError("cpu_threads", requested, "must be >= 1", hint="pass 1 or more, or leave it unset")
     if device.type != "cpu":
         return None
-    threads = cpu_threads_for(hidden_size, requested)
+    threads = cpu_threads_for(num_step_parameters, requested)
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return torch.get_num_threads()

@@ -45,7 +45,7 @@ from dflash_trt.models.loader import load_native_target
 from dflash_trt.spec.decoding_config import DFlashDecodingConfig, check_tree_drafter
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import validate_sampling
-from dflash_trt.utils.device import BF16_MIN_HIDDEN_CPU
+from dflash_trt.utils.device import streams_weights
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.fuse_projections()
         self.packed_weights = self._pack_weights(config, float32=device.type == "cpu" and dtype == torch.float32
-                                                 and tcfg.hidden_size >= BF16_MIN_HIDDEN_CPU)  # fmt: skip
+                                                 and streams_weights(tcfg.num_step_parameters()))  # fmt: skip
         self.paged_attention = self._enable_paged_attention(config, device=device, dtype=dtype)
         num_pages = self._plan_pages(dtype)
         self.num_kv_pages = num_pages - 1  # page 0 is the padding page
@@ -149,7 +149,7 @@ class LLMEngine:
 
     def _pack_weights(self, config: EngineConfig, *, float32: bool) -> int:
         """bf16 weights on CPU prepacked (layers/linear.py: for dflash-trt's AVX512-BF16 GEMM, else for
-        oneDNN); with `float32` (a model at least BF16_MIN_HIDDEN_CPU wide run in fp32 on a CPU: what the
+        oneDNN); with `float32` (a model whose steps stream their weights run in fp32 on a CPU: what the
         dtype policy picks where the CPU has no native bf16, or the caller's dtype), fp32 weights that
         hold bf16 values kept as bf16 for dflash-trt's AVX2 GEMM. Not with the drafting plugin, whose
         kernels read the dense weights. Returns how many were packed."""

@@ -50,6 +50,15 @@ class TargetConfig:
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def num_step_parameters(self) -> int:
+        """The parameters one decode step at batch 1 reads: the LM head and every layer's projections
+        (a MoE layer's top-k experts), not the embedding table (one row a token)."""
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        experts = self.moe.top_k if self.moe is not None else 1
+        layer = self.hidden_size * (2 * q + 2 * kv) + experts * 3 * self.hidden_size * self.intermediate_size
+        return self.vocab_size * self.hidden_size + self.num_hidden_layers * layer
+
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
 

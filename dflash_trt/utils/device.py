@@ -11,10 +11,17 @@ from dflash_trt.errors import EnvironmentMissing, UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Below this hidden size a CPU step is bound by per-call overheads, not by bytes or FLOPs, and bf16
-# GEMMs (oneDNN) cost ~20 us a call against ~5 us for fp32 (MKL): `tiny` (hidden 128) runs a plain step
-# in 1.3 ms in float32 and 4.9 ms in bfloat16 (compiled, 2 vCPU AMD EPYC with AVX512-BF16).
-BF16_MIN_HIDDEN_CPU = 1024
+# A decode step reads each weight once. While the weights in fp32 fit in a CPU's caches, a step's cost is
+# per-call overheads, and fp32 GEMMs (MKL, ~5 us a call) beat bf16 ones (oneDNN, ~20 us): `tiny` (2.4 M
+# parameters, 10 MB in fp32) runs a plain compiled step in 1.3 ms in fp32 and 4.9 ms in bf16. Weights read
+# from memory make it bytes: SmolLM2-135M (134 M parameters a step, 540 MB in fp32) decodes 1.4x faster in
+# bf16 at batch 1 (2 vCPU AMD EPYC Zen 4 with AVX512-BF16; bench/README.md). This is the line between.
+CPU_STREAMING_MIN_BYTES = 64 << 20  # fp32 weight bytes a step reads, from which the CPU streams them
+
+
+def streams_weights(num_step_parameters: int) -> bool:
+    """A step of a model reading this many parameters is bound by memory bytes, not per-call costs."""
+    return 4 * num_step_parameters >= CPU_STREAMING_MIN_BYTES
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -32,13 +39,13 @@ def resolve_dtype(
     device: torch.device,
     *,
     checkpoint_dtype: torch.dtype | None = None,
-    hidden_size: int | None = None,
+    num_step_parameters: int | None = None,
 ) -> torch.dtype:
     """An explicit dtype name, or the 'auto' policy:
     - CUDA: the checkpoint's half dtype (bfloat16 when it is float32 or unknown);
     - CPU: the checkpoint's bfloat16/float16 where the CPU computes bf16 natively (AVX512-BF16 or AMX)
-      and the model is wide enough (hidden >= BF16_MIN_HIDDEN_CPU) for bytes to matter more than
-      per-call overheads; float32 otherwise (emulated bf16 GEMMs are slower than fp32 ones)."""
+      and a step reads enough weights for bytes to matter more than per-call overheads
+      (`streams_weights`); float32 otherwise (emulated bf16 GEMMs are slower than fp32 ones)."""
     if dtype not in (None, "auto"):
         if dtype not in DTYPES:
             raise UsageError(f"--dtype={dtype!r} is not supported", hint=f"use one of {', '.join(DTYPES)}")
@@ -46,7 +53,8 @@ def resolve_dtype(
     half = checkpoint_dtype in (torch.bfloat16, torch.float16)
     if device.type == "cuda":
         return checkpoint_dtype if half and checkpoint_dtype is not None else torch.bfloat16
-    if half and hidden_size is not None and hidden_size >= BF16_MIN_HIDDEN_CPU and cpu_has_native_bf16():
+    streaming = num_step_parameters is not None and streams_weights(num_step_parameters)
+    if half and streaming and cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
 

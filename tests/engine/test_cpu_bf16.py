@@ -168,7 +168,7 @@ def test_float32_gemm_on_bf16_weights_equals_a_float32_product(m, n, k) -> None:
 
 def test_float32_engine_keeps_bf16_weights_and_is_lossless(monkeypatch) -> None:
     """tiny in float32 with its (bf16-checkpoint) weights kept as bf16 for the AVX2 kernel, as the
-    engine does for models at least BF16_MIN_HIDDEN_CPU wide (lowered here to reach tiny): greedy
+    engine does for models whose steps stream their weights (the line lowered here to reach tiny): greedy
     DFlash output equals the plain greedy output of the same target with dense fp32 weights."""
     from dflash_trt.engine import engine as engine_mod
     from dflash_trt.tiny import heldout_prompts
@@ -181,7 +181,7 @@ def test_float32_engine_keeps_bf16_weights_and_is_lossless(monkeypatch) -> None:
     with cpu_gemm.switched(False), LLM("tiny", dtype="float32", compile=False) as plain:
         assert plain.engine.packed_weights == 0  # dense fp32 weights on MKL's GEMMs
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    monkeypatch.setattr(engine_mod, "BF16_MIN_HIDDEN_CPU", 0)
+    monkeypatch.setattr(engine_mod, "streams_weights", lambda n: True)
     with LLM("tiny", dtype="float32", compile=False, speculative_config=tiny, max_batch_size=4) as llm:
         assert llm.engine.packed_weights > 4 * 12 + 1  # the target's and the drafter's linears
         head = llm.engine.target.lm_head

@@ -13,26 +13,37 @@ from torch import nn
 from dflash_trt.engine import compile as compile_mod
 from dflash_trt.layers.linear import FusedLinear
 from dflash_trt.utils import device as device_mod
-from dflash_trt.utils.device import BF16_MIN_HIDDEN_CPU, resolve_dtype
+from dflash_trt.utils.device import CPU_STREAMING_MIN_BYTES, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+STREAMED = CPU_STREAMING_MIN_BYTES // 4  # parameters a step reads from which they are streamed
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "hidden", "native", "want"),
+    ("checkpoint", "params", "native", "want"),
     [
-        (torch.bfloat16, BF16_MIN_HIDDEN_CPU, True, torch.bfloat16),  # the checkpoint's dtype
-        (torch.float16, 4096, True, torch.bfloat16),  # half: computed in bf16 on CPU
-        (torch.bfloat16, BF16_MIN_HIDDEN_CPU, False, torch.float32),  # emulated bf16: fp32
-        (torch.bfloat16, BF16_MIN_HIDDEN_CPU - 1, True, torch.float32),  # small: per-call costs win
-        (torch.float32, 4096, True, torch.float32),  # never narrower than the checkpoint
-        (None, 4096, True, torch.float32),  # unknown checkpoint dtype
+        (torch.bfloat16, STREAMED, True, torch.bfloat16),  # the checkpoint's dtype
+        (torch.float16, 8 * STREAMED, True, torch.bfloat16),  # half: computed in bf16 on CPU
+        (torch.bfloat16, STREAMED, False, torch.float32),  # emulated bf16: fp32
+        (torch.bfloat16, STREAMED - 1, True, torch.float32),  # cached weights: per-call costs win
+        (torch.float32, 8 * STREAMED, True, torch.float32),  # never narrower than the checkpoint
+        (None, 8 * STREAMED, True, torch.float32),  # unknown checkpoint dtype
     ],
 )
-def test_auto_dtype_on_cpu(monkeypatch, checkpoint, hidden, native, want) -> None:
+def test_auto_dtype_on_cpu(monkeypatch, checkpoint, params, native, want) -> None:
     monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: native)
-    assert resolve_dtype(None, CPU, checkpoint_dtype=checkpoint, hidden_size=hidden) == want
-    assert resolve_dtype("auto", CPU, checkpoint_dtype=checkpoint, hidden_size=hidden) == want
+    assert resolve_dtype(None, CPU, checkpoint_dtype=checkpoint, num_step_parameters=params) == want
+    assert resolve_dtype("auto", CPU, checkpoint_dtype=checkpoint, num_step_parameters=params) == want
+
+
+def test_the_real_pairs_fall_on_either_side_of_the_line(monkeypatch) -> None:
+    """tiny's weights stay in the caches (fp32); SmolLM2-135M's are streamed (its bf16 checkpoint's dtype)."""
+    from dflash_trt.api.llm import LLM
+
+    monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: True)
+    for name, want in (("tiny", torch.float32), ("smollm2-135m", torch.bfloat16)):
+        with LLM(name, compile=False, max_batch_size=1) as llm:
+            assert llm.dtype == want, name
 
 
 def test_auto_dtype_on_cuda_and_explicit_names() -> None:

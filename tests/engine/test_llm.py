@@ -5,6 +5,7 @@ admission control, per-request errors, and a dead or wedged engine (float32 CPU)
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import threading
@@ -622,13 +623,21 @@ def test_sampled_requests_with_speculation_switched_off(pair):
 
 def test_cpu_thread_policy(monkeypatch):
     from dflash_trt.api.llm import cpu_threads_for
+    from dflash_trt.models.target_config import parse_target_config
+    from dflash_trt.smollm2 import ensure_smollm2
+    from dflash_trt.tiny import ensure_tiny
 
+    def step_parameters(target_dir):
+        return parse_target_config(json.loads((target_dir / "config.json").read_text())).num_step_parameters()
+
+    tiny, smollm2 = step_parameters(ensure_tiny().target), step_parameters(ensure_smollm2().target)
+    assert 2_000_000 < tiny < 3_000_000 and 130_000_000 < smollm2 < 140_000_000
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert cpu_threads_for(128, None) == 1  # small model: one thread
-    assert cpu_threads_for(4096, None) is None  # large model: torch's default
-    assert cpu_threads_for(128, 3) == 3  # an explicit request wins
+    assert cpu_threads_for(tiny, None) == 1  # weights in the caches: one thread
+    assert cpu_threads_for(smollm2, None) is None  # weights streamed: torch's default (every core)
+    assert cpu_threads_for(tiny, 3) == 3  # an explicit request wins
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert cpu_threads_for(128, None) is None  # the user's environment wins over the default
+    assert cpu_threads_for(tiny, None) is None  # the user's environment wins over the default
 
 
 def test_cpu_threads_is_validated_and_applied():
