@@ -47,6 +47,12 @@ demo: $(STAMP)
 tiny-pair: $(STAMP)
 	$(PY) build/recipes/tiny_pair.py
 
+# The smollm2-135m pair's drafters (v1 and DFlash 2) from its installed target (CPU; PyPI for the held-out
+# sets; see build/README.md), installed into dflash_trt/assets/smollm2-135m/.
+.PHONY: smollm2-drafters
+smollm2-drafters: $(STAMP)
+	$(PY) build/recipes/smollm2_pair.py
+
 # The torch-backend serving image (build/docker/README.md), built with Debian's buildah from a base
 # made by mmdebstrap, then tested inside: make demo's serving part and an API-key smoke test. About
 # 20 min on 2 cores, so it is its own target (CI runs it after `make test`); needs root to install

@@ -83,6 +83,20 @@ def default_drafter(pair: PackagedPair) -> Path | None:
     return d if d is not None and (d / "config.json").is_file() else None
 
 
+def heldout_texts(name: str) -> list[str]:
+    """The packaged pair's held-out prompts as prompt texts for its target: tiny's code prompts as they are;
+    smollm2-135m's chats rendered with its chat template (generation prompt included)."""
+    if name == tiny.TINY_NAME:
+        return tiny.heldout_prompts()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(packaged_pair(name).target)
+    return [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in smollm2.heldout_prompts()
+    ]
+
+
 def resolve_target_path(target: str) -> Path | None:
     """A packaged name or a .gguf file -> its checkpoint directory; None for anything else."""
     if is_packaged(target):

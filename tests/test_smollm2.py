@@ -151,3 +151,101 @@ def test_the_engine_decodes_as_transformers_does(smollm2_target):
     finally:
         llm.shutdown()
     assert got == expected
+
+
+# --- the shipped drafters: lossless on held-out chats, greedy and sampled --------------------------------
+DRAFTERS = ("smollm2-135m-dflash", "smollm2-135m-dflash2")
+
+
+@pytest.mark.slow
+def test_greedy_dflash_equals_plain_decoding_on_held_out_chats(smollm2_target):
+    """Both shipped drafters, batched with continuous batching in the default dtype (bf16 where the
+    CPU has it): every output equals plain decoding's, and drafts are accepted (tau > 1.5)."""
+    from dflash_trt import smollm2
+    from dflash_trt.api.llm import LLM
+    from dflash_trt.api.params import SamplingParams
+    from dflash_trt.models.sources import chat_prompt_ids, load_tokenizer
+
+    tok = load_tokenizer(smollm2_target)
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in smollm2.heldout_prompts()[:6]]
+    sp = SamplingParams(max_tokens=64, temperature=0, return_perf_metrics=True)
+    with LLM(SMOLLM2_NAME, compile=False, max_batch_size=6) as plain:
+        want = [r.outputs[0].token_ids for r in plain.generate(prompts, sp)]
+    for name in DRAFTERS:
+        spec = {"decoding_type": "DFlash", "speculative_model": name}
+        with LLM(SMOLLM2_NAME, compile=False, max_batch_size=6, speculative_config=spec) as llm:
+            got = llm.generate(prompts, sp)
+        assert [r.outputs[0].token_ids for r in got] == want, name
+        metrics = [r.outputs[0].request_perf_metrics.speculative_decoding for r in got]
+        tau = sum(sum(m.acceptance_lengths) for m in metrics) / sum(m.num_rounds for m in metrics)
+        assert tau > 1.5, (name, tau)
+
+
+def exact_topk_joint(model, prompt: list[int], *, temperature: float, top_k: int, steps: int) -> dict:
+    """p(t1..t_steps | prompt) of plain sampling at `temperature` over the top_k tokens, by enumerating
+    the top_k branches of each step: {token tuple: probability}."""
+    import torch
+
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == steps:
+            out[prefix] = prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double() / temperature
+        top = torch.topk(logits, top_k)
+        probs = torch.softmax(top.values, dim=-1)
+        for p, t in zip(probs.tolist(), top.indices.tolist()):
+            walk((*prefix, t), prob * p)
+
+    walk((), 1.0)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_sampling_on_the_real_pair_keeps_the_targets_distribution(smollm2_target, drafter):
+    """1,000 seeds of one chat prompt through the batched engine at T = 1, top-k 3 (prefill token + one
+    round of 2 drafts, float32): the joint distribution of the 3 tokens is the target's, and drafts are
+    accepted often enough for the rounds to matter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_trt.engine.config import EngineConfig
+    from dflash_trt.engine.engine import LLMEngine
+    from dflash_trt.engine.request import RequestParams
+    from dflash_trt.models.sources import chat_prompt_ids, load_tokenizer
+    from dflash_trt.spec.decoding_config import DFlashDecodingConfig
+    from tests.test_sampling import chi_square_p
+
+    tok = load_tokenizer(smollm2_target)
+    prompt = chat_prompt_ids(
+        tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    )
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_target, dtype=torch.float32).eval()
+    exact = exact_topk_joint(hf, prompt, temperature=1.0, top_k=3, steps=3)
+    engine = LLMEngine(
+        target_dir=smollm2_target, drafter_dir=pairs.packaged_drafter(drafter),
+        spec=DFlashDecodingConfig(max_draft_len=2), tokenizer=None,
+        config=EngineConfig(max_batch_size=64, max_seq_len=256, compile=False),
+        device=torch.device("cpu"), dtype=torch.float32,
+    )  # fmt: skip
+    runs = 1000
+    reqs = [
+        engine.add_request(
+            prompt, RequestParams(max_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
+        )
+        for s in range(runs)
+    ]
+    while engine.has_work():
+        engine.step()
+    cells = sorted(exact)
+    counts = torch.zeros(len(cells), dtype=torch.float64)
+    for req in reqs:
+        key = tuple(req.output_ids)
+        assert key in exact, f"{key} lies outside the target's top-3 support"
+        counts[cells.index(key)] += 1
+    accepted = sum(r.num_accepted_draft_tokens for r in reqs)
+    assert accepted / (2 * runs) > 0.1, "drafts were (almost) never accepted: the test proves little"
+    assert chi_square_p(counts, torch.tensor([exact[c] for c in cells])) > 1e-3

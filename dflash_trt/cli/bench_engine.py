@@ -21,8 +21,8 @@ def _ints(value: str, flag: str) -> list[int]:
     return out
 
 
-def _prompts(value: str) -> tuple[str, ...]:
-    """--prompts: the built-in set, tiny's held-out prompts, or the texts of a JSONL file."""
+def _prompts(value: str, target: str) -> tuple[str, ...]:
+    """--prompts: the built-in set, the packaged pair's held-out prompts, or the texts of a JSONL file."""
     from pathlib import Path
 
     from dflash_trt.bench.engine_bench import DEFAULT_PROMPTS
@@ -30,9 +30,14 @@ def _prompts(value: str) -> tuple[str, ...]:
     if value == "builtin":
         return DEFAULT_PROMPTS
     if value == "heldout":
-        from dflash_trt.tiny import heldout_prompts
+        from dflash_trt import pairs
 
-        return tuple(heldout_prompts())
+        if not pairs.is_packaged(target):
+            raise click.BadParameter(
+                f"heldout: --target {target!r} is not a packaged pair ({', '.join(pairs.pair_names())})",
+                param_hint="--prompts",
+            )
+        return tuple(pairs.heldout_texts(target))
     from dflash_trt.utils.jsonl import iter_jsonl
 
     path = Path(value)
@@ -92,8 +97,8 @@ def _prompts(value: str) -> tuple[str, ...]:
     default="builtin",
     show_default=True,
     metavar="builtin|heldout|FILE.jsonl",
-    help="builtin: 8 short code prompts; heldout: the tiny pair's 32 held-out Python prompts; or a JSONL "
-    "file with a 'text' per line. Every batch size runs every prompt (in batches of its size).",
+    help="builtin: 8 short code prompts; heldout: the packaged pair's held-out prompts (tiny: 32 Python "
+    "prompts; smollm2-135m: 244 chats, rendered with its template); or a JSONL file with a 'text' per line. Every batch size runs every prompt (in batches of its size).",
 )
 @click.option(
     "--repeats",
@@ -153,7 +158,7 @@ def engine(
             f"  {point.mode} batch {point.batch_size}: {point.output_tokens_per_s:.1f} tok/s", err=True
         )
 
-    prompts = _prompts(prompt_set)
+    prompts = _prompts(prompt_set, target)
     result = run_engine_benchmark(
         target=target,
         drafter=drafter,
