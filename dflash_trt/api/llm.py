@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import gc
 import logging
 import os
@@ -193,6 +194,7 @@ class LLM:
         # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.
         gc.collect()
         gc.freeze()
+        _unfreeze_at_exit()
         return engine
 
     def _precompile_request(self, engine: Any) -> Any:
@@ -624,6 +626,16 @@ def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) 
         engine.fail_all()
         engine.runner.disable_compile()
         torch._dynamo.reset()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Frozen objects are never collected, not even when the interpreter exits: OpenAI-Triton's bindings
+    (nanobind), imported by torch, then print a "leaked N instances" report at every exit. Unfreezing
+    before teardown lets it free them."""
+    import atexit
+
+    atexit.register(gc.unfreeze)
 
 
 def _speculative(speculative_config: Any) -> DFlashDecodingConfig | None:
