@@ -125,8 +125,9 @@ class LLM:
         _check_accepted_noops(kwargs)
         _check_wedge_timeout(wedge_timeout_s)
         from dflash_trt.models.checkpoint import read_json
+        from dflash_trt.models.sources import target_dtype
         from dflash_trt.models.target_config import parse_target_config
-        from dflash_trt.utils.device import DTYPES, resolve_device, resolve_dtype
+        from dflash_trt.utils.device import resolve_device
 
         self.device = resolve_device(None if device == "auto" else device)
         # First: later imports (the tokenizer's) fix inductor's cache directory when they load inductor.
@@ -139,13 +140,7 @@ class LLM:
         tcfg = parse_target_config(read_json(models.target_dir / "config.json", what="target config"))
         if max_seq_len is None:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
-        checkpoint_dtype = DTYPES.get(tcfg.checkpoint_dtype or "")
-        self.dtype = resolve_dtype(
-            dtype,
-            self.device,
-            checkpoint_dtype=checkpoint_dtype,
-            num_step_parameters=tcfg.num_step_parameters(),
-        )
+        self.dtype = target_dtype(None if dtype == "auto" else dtype, self.device, models.target_dir)
         self.cpu_threads = _set_cpu_threads(self.device, tcfg.num_step_parameters(), cpu_threads)
         self.engine_config = _engine_config(
             max_batch_size=max_batch_size,

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from dflash_trt.cli.options import device_option, dtype_option
+from dflash_trt.cli.options import AUTO_DTYPE_HELP, device_option, dtype_option
 from dflash_trt.errors import UsageError
 
 
@@ -72,7 +72,7 @@ def _parse_ids(value: str | None, flag: str) -> list[int] | None:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at eos; generate exactly --max-new-tokens.")
 @click.option("--chat", is_flag=True, help="Wrap --prompt in the tokenizer's chat template (thinking off).")
 @device_option()
-@dtype_option("auto: float32 on CPU, bfloat16 on CUDA.")
+@dtype_option(AUTO_DTYPE_HELP)
 @click.option(
     "--engine",
     type=click.Choice(["auto", "embedded", "reference"]),
@@ -167,10 +167,10 @@ def _prepare(opts: _Options) -> _Job:
     ids = _parse_ids(opts.prompt_ids, "--prompt-ids")
     stops = _parse_ids(opts.stop_token_ids, "--stop-token-ids")
 
-    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer, resolve_models
+    from dflash_trt.models.sources import default_stop_token_ids, load_tokenizer, resolve_models, target_dtype
     from dflash_trt.spec.decoding_config import parse_tree_budget
     from dflash_trt.spec.sampling import SamplingConfig
-    from dflash_trt.utils.device import resolve_device, resolve_dtype
+    from dflash_trt.utils.device import resolve_device
 
     sampling = SamplingConfig(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
                               greedy_draft=opts.greedy_draft)  # fmt: skip
@@ -186,7 +186,7 @@ def _prepare(opts: _Options) -> _Job:
     elif opts.ignore_eos:
         raise click.UsageError("--ignore-eos and --stop-token-ids are mutually exclusive")
     dev = resolve_device(None if opts.device == "auto" else opts.device)
-    dt = resolve_dtype(None if opts.dtype == "auto" else opts.dtype, dev)
+    dt = target_dtype(None if opts.dtype == "auto" else opts.dtype, dev, models.target_dir)
     drafting = not opts.no_draft and opts.block_size != 1
     tree = parse_tree_budget(opts.tree_budget, field_name="--tree-budget")
     if tree != 0 and not drafting:

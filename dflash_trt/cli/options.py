@@ -8,6 +8,13 @@ from typing import Any
 
 import click
 
+# What --dtype auto means where a command runs a target: utils/device.resolve_dtype's policy in words
+# (kept here, torch-free, for --help; tests/engine/test_defaults.py holds it to the code).
+AUTO_DTYPE_HELP = (
+    "auto: on CUDA the checkpoint's half dtype (else bfloat16); on a CPU with native bf16 (AVX512-BF16, AMX) "
+    "a bf16 checkpoint's dtype when a step reads more than 64 MB of fp32 weights (smollm2-135m), else "
+    "float32 (tiny, and every model on other CPUs)."
+)
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16", "auto")
 

@@ -50,6 +50,25 @@ def resolve_models(target: str, drafter: str | None = None) -> ResolvedModels:
     return ResolvedModels(target_dir=target_dir, drafter_dir=drafter_dir, name=target)
 
 
+def target_dtype(dtype: str | None, device: Any, target_dir: Path) -> Any:
+    """The dtype the target runs in: an explicit name, or utils/device.resolve_dtype's auto policy fed with
+    the checkpoint's dtype and the weights a step reads (config.json); a config the native engine cannot
+    parse gives the policy without them."""
+    from dflash_trt.errors import ConfigError
+    from dflash_trt.models.checkpoint import read_json
+    from dflash_trt.models.target_config import parse_target_config
+    from dflash_trt.utils.device import DTYPES, resolve_dtype
+
+    try:
+        tcfg = parse_target_config(read_json(target_dir / "config.json", what="target config"))
+    except ConfigError:
+        return resolve_dtype(dtype, device)
+    return resolve_dtype(
+        dtype, device, checkpoint_dtype=DTYPES.get(tcfg.checkpoint_dtype or ""),
+        num_step_parameters=tcfg.num_step_parameters(),
+    )  # fmt: skip
+
+
 def load_tokenizer(target_dir: Path) -> Any | None:
     """The target's tokenizer, or None when the directory has none."""
     if not any(

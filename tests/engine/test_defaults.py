@@ -195,3 +195,20 @@ def test_where_a_cold_cache_is_compiled(monkeypatch, tmp_path, device, saves, en
     background = expected == "background"
     assert events == (["freeze", "expect", "spawn"] if background else [expected])
     assert child == ("child" if background else None)
+
+
+def test_the_dtype_help_says_what_the_policy_does(monkeypatch, cli) -> None:
+    """--dtype's help (cli/options.py) names the line and the pairs on either side of it: held to
+    resolve_dtype through target_dtype, which generate and LLM both use."""
+    from dflash_trt.cli.options import AUTO_DTYPE_HELP
+    from dflash_trt.models.sources import resolve_models, target_dtype
+
+    assert f"more than {CPU_STREAMING_MIN_BYTES >> 20} MB of fp32 weights" in AUTO_DTYPE_HELP
+    monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: True)
+    for name, want in (("smollm2-135m", torch.bfloat16), ("tiny", torch.float32)):
+        assert f"float32 ({name}" in AUTO_DTYPE_HELP or f"({name})" in AUTO_DTYPE_HELP
+        assert target_dtype(None, CPU, resolve_models(name).target_dir) == want, name
+    monkeypatch.setattr(device_mod, "cpu_has_native_bf16", lambda: False)
+    assert target_dtype(None, CPU, resolve_models("smollm2-135m").target_dir) == torch.float32  # "other CPUs"
+    code, out, _ = cli(["generate", "--help"])
+    assert code == 0 and " ".join(AUTO_DTYPE_HELP.split()[:6]) in " ".join(out.split())
