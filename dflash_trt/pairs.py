@@ -92,7 +92,11 @@ def heldout_texts(name: str) -> list[str]:
 
     tok = AutoTokenizer.from_pretrained(packaged_pair(name).target)
     return [
-        str(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
+        str(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+        )
         for p in smollm2.heldout_prompts()
     ]
 

@@ -143,17 +143,10 @@ class LLM:
         self.dtype = target_dtype(None if dtype == "auto" else dtype, self.device, models.target_dir)
         self.cpu_threads = _set_cpu_threads(self.device, tcfg.num_step_parameters(), cpu_threads)
         self.engine_config = _engine_config(
-            max_batch_size=max_batch_size,
-            max_num_tokens=max_num_tokens,
-            max_seq_len=max_seq_len,
-            kv_cache_config=kv_cache_config,
-            cuda_graph_config=cuda_graph_config,
-            enforce_eager=enforce_eager,
-            profile=profile,
-            use_plugins=use_plugins,
-            compile=compile,
-            compile_dir=compile_dir,
-        )
+            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+            kv_cache_config=kv_cache_config, cuda_graph_config=cuda_graph_config, enforce_eager=enforce_eager,
+            profile=profile, use_plugins=use_plugins, compile=compile, compile_dir=compile_dir,
+        )  # fmt: skip
         self.engine = self._load_engine(models.target_dir, spec, compile=compile)
         self.speculative_config = spec
         self.args = {

@@ -114,45 +114,25 @@ def run_engine_benchmark(
     trees = [parse_tree_budget(b, field_name="tree_budget") for b in budgets]  # before any model loads
     models = resolve_models(target, drafter)
     config: dict[str, Any] = {
-        "target": target,
-        "target_dir": str(models.target_dir),
-        "drafter_dir": str(models.drafter_dir) if models.drafter_dir else None,
-        "batch_sizes": batch_sizes,
-        "max_tokens": max_tokens,
-        "greedy": True,
-        "ignore_eos": True,
-        "prompts": len(prompts),
-        "enforce_eager": enforce_eager,
-        "repeats": repeats,
-    }
+        "target": target, "target_dir": str(models.target_dir),
+        "drafter_dir": str(models.drafter_dir) if models.drafter_dir else None, "batch_sizes": batch_sizes,
+        "max_tokens": max_tokens, "greedy": True, "ignore_eos": True, "prompts": len(prompts),
+        "enforce_eager": enforce_eager, "repeats": repeats,
+    }  # fmt: skip
     lens = [_draft_len(g) for g in (draft_len or ["auto"])]  # before any model loads
-    variants: list[tuple[str, int | str | None, int | str]] = [("ar", None, "auto")] if "ar" in modes else []
-    if "dflash" in modes:
-        for budget in trees:
-            variants += [(_mode_name(budget, g), budget, g) for g in (lens if budget == 0 else ["auto"])]
+    variants = _variants(modes, trees, lens)
     if lens != ["auto"]:
         config["draft_len"] = lens
     llms: dict[str, Any] = {}
     try:
         for mode, tree, g in variants:
-            spec = (
-                _speculative_config(models, block_size, tree, g, max(batch_sizes))
-                if tree is not None
-                else None
-            )
-            if spec is not None:
-                config["block_size"] = block_size_for(spec["max_draft_len"])
-                config["tree_budget"] = trees[0] if len(trees) == 1 else trees
-                config["drafter_architecture"] = _architecture(models)
-            llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
-                          enforce_eager=enforce_eager, compile=compile)  # fmt: skip
-            config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
-            config["compiled"] = bool(llm.engine.runner.compiled)
-            llms[mode] = llm
+            llms[mode] = _variant_engine(models, config, tree, g, block_size=block_size, trees=trees,
+                                         batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
+                                         enforce_eager=enforce_eager, compile=compile)  # fmt: skip
             if warmup:  # first calls allocate, capture graphs and fill caches
                 from dflash_trt.api.llm import SamplingParams
 
-                llm.generate(list(prompts[:2]), SamplingParams(max_tokens=8, ignore_eos=True))
+                llms[mode].generate(list(prompts[:2]), SamplingParams(max_tokens=8, ignore_eos=True))
         points = _measure_interleaved(llms, batch_sizes, prompts, max_tokens=max_tokens, repeats=repeats,
                                       progress=progress)  # fmt: skip
     finally:
@@ -161,6 +141,40 @@ def run_engine_benchmark(
     config["environment"] = _environment()
     return {"config": config, "points": [{**asdict(p), "overturn_rate": p.overturn_rate} for p in points], "speedup": _speedups(points),
             "vs_linear": _vs_linear(points)}  # fmt: skip
+
+
+def _variant_engine(
+    models: Any, config: dict[str, Any], tree: int | str | None, draft_len: int | str, *, block_size: int | None,
+    trees: list[int | str], batch_sizes: list[int], max_tokens: int, device: str, dtype: str, enforce_eager: bool,
+    compile: bool | None,
+) -> Any:  # fmt: skip
+    """The engine of one variant (plain decoding when `tree` is None), its facts recorded in `config`."""
+    spec = (
+        _speculative_config(models, block_size, tree, draft_len, max(batch_sizes))
+        if tree is not None
+        else None
+    )
+    if spec is not None:
+        config["block_size"] = block_size_for(spec["max_draft_len"])
+        config["tree_budget"] = trees[0] if len(trees) == 1 else trees
+        config["drafter_architecture"] = _architecture(models)
+    llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
+                  enforce_eager=enforce_eager, compile=compile)  # fmt: skip
+    config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
+    config["compiled"] = bool(llm.engine.runner.compiled)
+    return llm
+
+
+def _variants(
+    modes: tuple[str, ...], trees: list[int | str], lens: list[int | str]
+) -> list[tuple[str, int | str | None, int | str]]:
+    """(mode name, tree budget or None for plain decoding, draft length) of every engine to measure:
+    linear DFlash once per draft length, each DDTree budget with the engine's own draft length."""
+    variants: list[tuple[str, int | str | None, int | str]] = [("ar", None, "auto")] if "ar" in modes else []
+    if "dflash" in modes:
+        for budget in trees:
+            variants += [(_mode_name(budget, g), budget, g) for g in (lens if budget == 0 else ["auto"])]
+    return variants
 
 
 def _mode_name(tree: int | str, draft_len: int | str = "auto") -> str:
@@ -311,6 +325,21 @@ def _engine(
         )
 
 
+def _tree_budget_counts(metrics: list[Any]) -> dict[str, int] | None:
+    """Rounds per DDTree budget over the requests (None when no request reports budgets)."""
+    budgets: dict[str, int] | None = None
+    for m in metrics:
+        for b in m.speculative_decoding.tree_budgets or []:
+            budgets = budgets or {}
+            budgets[str(b)] = budgets.get(str(b), 0) + 1
+    return budgets
+
+
+def _new_counts(after: dict[int, int], before: dict[int, int]) -> dict[str, int]:
+    """Rounds per draft length added since `before`."""
+    return {str(g): n - before.get(g, 0) for g, n in sorted(after.items()) if n > before.get(g, 0)}
+
+
 def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point:
     """One timed generate() of the whole batch, with the phase times its rounds added."""
     import torch
@@ -333,18 +362,7 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
     metrics = [o.outputs[0].request_perf_metrics for o in outs]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     rounds_all = [a for m in metrics for a in m.speculative_decoding.acceptance_lengths]
-    budgets: dict[str, int] | None = None
-    for m in metrics:
-        for b in m.speculative_decoding.tree_budgets or []:
-            budgets = budgets or {}
-            budgets[str(b)] = budgets.get(str(b), 0) + 1
-    lens = None
-    if policy is not None:
-        lens = {
-            str(g): n - lens_before.get(g, 0)
-            for g, n in sorted(policy.rounds.items())
-            if n > lens_before.get(g, 0)
-        }
+    lens = _new_counts(policy.rounds, lens_before) if policy is not None else None
     decode_window = (
         max(m.timing_metrics.last_token_time for m in metrics)
         - min(m.timing_metrics.first_token_time for m in metrics)
@@ -367,7 +385,7 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
         overhead_ms_per_round=1e3 * overhead / r,
         peak_memory_mb=_peak_memory_mb(llm.device.type),
         request_rounds=len(rounds_all),
-        tree_budgets=budgets,
+        tree_budgets=_tree_budget_counts(metrics),
         draft_lens=lens,
         draft_tokens=sum(m.speculative_decoding.total_draft_tokens for m in metrics),
         overturned_draft_tokens=sum(m.speculative_decoding.total_overturned_draft_tokens for m in metrics),

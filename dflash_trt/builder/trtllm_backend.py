@@ -212,6 +212,23 @@ def _drafter_bytes(pair: ResolvedPair) -> float:
     return 2.0 * (int(d["num_hidden_layers"]) * per_layer + len(ids) * dd * dd)
 
 
+def _kv_cache_dtype(req: BuildRequest, profile: GpuProfile, *, family: str, fmt: str) -> str:
+    """--kv-cache-dtype, or auto: the profile's for gpt-oss, FP8 beside FP8/NVFP4 weights, else auto."""
+    if req.kv_cache_dtype != "auto":
+        return req.kv_cache_dtype
+    if family == "gpt_oss":
+        return profile.kv_cache_dtype
+    return "fp8" if fmt in ("fp8", "nvfp4") else "auto"
+
+
+def _limits(req: BuildRequest, text_cfg: dict, *, family: str) -> dict[str, int]:
+    return {
+        "max_batch_size": req.max_batch_size or 64,
+        "max_seq_len": req.max_seq_len or min(int(text_cfg.get("max_position_embeddings") or 8192), 8192),
+        "max_num_tokens": req.max_num_tokens or (16384 if family == "gpt_oss" else 8192),
+    }
+
+
 def plan_trtllm(
     req: BuildRequest,
     pair: ResolvedPair,
@@ -226,21 +243,13 @@ def plan_trtllm(
     t = text_config(cfg)
     family = str(t.get("model_type") or cfg.get("model_type"))
     fmt, source = choose_quant(req, profile, weights_native_format(cfg), family)
-    kv_dtype = req.kv_cache_dtype
-    if kv_dtype == "auto":
-        kv_dtype = (
-            profile.kv_cache_dtype if family == "gpt_oss" else ("fp8" if fmt in ("fp8", "nvfp4") else "auto")
-        )
+    kv_dtype = _kv_cache_dtype(req, profile, family=family, fmt=fmt)
     tp = check_parallelism(req, cfg, profile)
     if detected_count is not None and tp > detected_count:
         raise UsageError(
             f"--tp={tp} needs {tp} GPUs, nvidia-smi shows {detected_count}", hint=f"use --tp {detected_count}"
         )
-    limits = {
-        "max_batch_size": req.max_batch_size or 64,
-        "max_seq_len": req.max_seq_len or min(int(t.get("max_position_embeddings") or 8192), 8192),
-        "max_num_tokens": req.max_num_tokens or (16384 if family == "gpt_oss" else 8192),
-    }
+    limits = _limits(req, t, family=family)
     memory = memory_check(pair, profile, fmt, kv_dtype, limits, tp)
     target_ref = f"{CHECKPOINTS}/target-{fmt}" if source in ("modelopt", "mxfp4-cast") else pair.target.ref
     assert pair.drafter is not None

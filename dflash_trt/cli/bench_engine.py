@@ -117,23 +117,10 @@ def _prompts(value: str, target: str) -> tuple[str, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the JSON result to this file.")
 def engine(
-    target: str,
-    drafter: str | None,
-    block_size: int | None,
-    batch_sizes: str,
-    max_tokens: int,
-    modes: str,
-    device: str,
-    dtype: str,
-    tree_budget: str,
-    draft_len: str,
-    prompt_set: str,
-    repeats: int,
-    compile_rounds: bool | None,
-    enforce_eager: bool,
-    as_json: bool,
-    out: str | None,
-) -> None:
+    target: str, drafter: str | None, block_size: int | None, batch_sizes: str, max_tokens: int, modes: str,
+    device: str, dtype: str, tree_budget: str, draft_len: str, prompt_set: str, repeats: int,
+    compile_rounds: bool | None, enforce_eager: bool, as_json: bool, out: str | None,
+) -> None:  # fmt: skip
     """Offline throughput of the embedded engine: plain decoding (AR) vs DFlash (linear and DDTree).
 
     Each point submits `batch` greedy requests at once (ignore_eos, fixed output length) and
@@ -160,22 +147,12 @@ def engine(
 
     prompts = _prompts(prompt_set, target)
     result = run_engine_benchmark(
-        target=target,
-        drafter=drafter,
-        block_size=block_size,
-        batch_sizes=sizes,
-        max_tokens=max_tokens,
-        modes=chosen,
-        device=device,
-        dtype=dtype,
+        target=target, drafter=drafter, block_size=block_size, batch_sizes=sizes, max_tokens=max_tokens,
+        modes=chosen, device=device, dtype=dtype,
         tree_budget=[b.strip() for b in tree_budget.split(",") if b.strip()] or ["0"],
         draft_len=[g.strip() for g in draft_len.split(",") if g.strip()] or ["auto"],
-        enforce_eager=enforce_eager,
-        compile=compile_rounds,
-        repeats=repeats,
-        prompts=prompts,
-        progress=progress,
-    )
+        enforce_eager=enforce_eager, compile=compile_rounds, repeats=repeats, prompts=prompts, progress=progress,
+    )  # fmt: skip
     if out:
         from pathlib import Path
 

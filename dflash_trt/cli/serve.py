@@ -75,23 +75,11 @@ HEARTBEAT_TIMEOUT_S = 10.0  # the model beats every second: this much silence is
 )
 @api_key_options(role="require on inference and metadata (HTTP, gRPC, OpenAI /v1)")
 def serve(
-    bundle: Path,
-    host: str,
-    http_port: int,
-    grpc_port: int,
-    metrics_port: int,
-    ready_timeout: float,
-    no_draft: bool,
-    compile_rounds: bool | None,
-    drain_timeout: float,
-    log_verbose: int,
-    quiet: bool,
-    openai_port: int | None,
-    openai_model_name: str | None,
-    triton_url: str | None,
-    api_key: str | None,
+    bundle: Path, host: str, http_port: int, grpc_port: int, metrics_port: int, ready_timeout: float,
+    no_draft: bool, compile_rounds: bool | None, drain_timeout: float, log_verbose: int, quiet: bool,
+    openai_port: int | None, openai_model_name: str | None, triton_url: str | None, api_key: str | None,
     api_key_file: Path | None,
-) -> None:
+) -> None:  # fmt: skip
     """Start tritonserver on the bundle's model repository and supervise it until Ctrl-C / SIGTERM.
 
     SIGTERM (or Ctrl-C) drains: readiness turns false and new requests are refused at once, in-flight

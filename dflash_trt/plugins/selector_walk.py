@@ -95,7 +95,7 @@ def _walk_kernel(
         prev = tl.sum(tl.where(kk == pick, cand, 0), 0)
 
 
-def launch_selector_walk(
+def _check_walk_inputs(
     unary: torch.Tensor,
     candidates: torch.Tensor,
     proj: torch.Tensor,
@@ -105,8 +105,8 @@ def launch_selector_walk(
     temperature: torch.Tensor,
     u: torch.Tensor,
     greedy: torch.Tensor,
-    any_sampled: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[int, int, int]:
+    """The launcher's shape, dtype, stride and device checks; returns (N, g, K)."""
     op = "selector_walk"
     reg.require_triton(op)
     chk = reg.check
@@ -146,6 +146,24 @@ def launch_selector_walk(
     reg.check_same_device(
         op, unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u, greedy
     )
+    return n, g, k
+
+
+def launch_selector_walk(
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    proj: torch.Tensor,
+    anchors: torch.Tensor,
+    pred_codebook: torch.Tensor,
+    succ_codebook: torch.Tensor,
+    temperature: torch.Tensor,
+    u: torch.Tensor,
+    greedy: torch.Tensor,
+    any_sampled: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, g, k = _check_walk_inputs(unary, candidates, proj, anchors, pred_codebook, succ_codebook, temperature, u,
+                                 greedy)  # fmt: skip
+    rank = proj.shape[2]
     picks = torch.empty(n, g, dtype=torch.int64, device=unary.device)
     q = torch.empty(n, g, k, dtype=torch.float32, device=unary.device)
     if n == 0 or g == 0:
