@@ -37,6 +37,9 @@ def free_ports(n: int) -> list[int]:
 # least 12.5 s however fast the engine is (engine/faults.py). Unslowed, eager tiny emits 200 tokens of
 # a repetitive prompt in ~0.15 s.
 SLOW_ENGINE = {"DFLASH_TRT_TESTING": "1", "DFLASH_TRT_FAULT_INJECT": "engine-slow:100"}
+# 250 ms more per step: a 1500-token request needs at least 94 rounds, 23 s, to run to its end, so the
+# abort tests tell an aborted request from a finished one by its tokens, not by a race with the clock.
+SLOWER_ENGINE = {"DFLASH_TRT_TESTING": "1", "DFLASH_TRT_FAULT_INJECT": "engine-slow:250"}
 
 
 def build_bundle(out: Path, *extra: str) -> Path:

@@ -435,10 +435,28 @@ def test_bench_sweep_openai_protocols_agree_with_grpc(served, tmp_path) -> None:
     assert tau["openai-completions"] == pytest.approx(tau["triton-grpc"], rel=1e-6)
 
 
+@pytest.fixture(scope="module")
+def slow_served(tiny_bundle):
+    """`serve` with the OpenAI front whose engine steps take 250 ms more (SLOWER_ENGINE): a 1500-token
+    request needs at least 94 rounds, 23 s, whatever the machine's load."""
+    from tests.serving.conftest import SLOWER_ENGINE
+
+    http, grpc, metrics, oai = free_ports(4)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(tiny_bundle), "--http-port", str(http),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(oai), "--quiet"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **SLOWER_ENGINE},
+    )  # fmt: skip
+    _wait_health(proc, f"http://127.0.0.1:{oai}/health")
+    yield Served(proc, http, grpc, metrics, oai)
+    _stop(proc)
+
+
 @pytest.mark.timing
-def test_non_streaming_disconnect_aborts_too(served) -> None:
+def test_non_streaming_disconnect_aborts_too(slow_served) -> None:
     import socket
 
+    served = slow_served
     before = served.metric("dflash_output_tokens_total")
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", served.openai_port), timeout=10) as s:

@@ -177,8 +177,23 @@ def test_load_mixing_http_sse_and_grpc_matches_single_requests(server):
     assert not mismatches  # greedy output does not depend on batching or protocol
 
 
+@pytest.fixture(scope="module")
+def slow_server(tiny_bundle):
+    """A server whose engine steps take 250 ms more (SLOWER_ENGINE): a 1500-token request needs at least
+    23 s however fast the machine; an aborted one stops within a step or two."""
+    from tests.serving.conftest import SLOWER_ENGINE, start_server
+
+    srv = start_server(tiny_bundle / "model_repository", bundle=tiny_bundle, env=SLOWER_ENGINE)
+    yield srv
+    srv.stop()
+
+
 @pytest.mark.timing
-def test_abandoned_streams_free_their_slots(server):
+def test_abandoned_streams_free_their_slots(slow_server):
+    """8 streams of 1500 tokens whose clients leave (4 SSE after 2 events, 4 gRPC cancelled): the engine
+    goes idle with far fewer tokens emitted than asked for, so they were aborted, not run to their end."""
+    server = slow_server
+    before = metric_value(server, "dflash_output_tokens_total")
     kept = []
     threads = [threading.Thread(target=lambda: kept.append(sse(server.http_url, stream_body("a = ", 1500), stop_after=2)))
                for _ in range(4)]  # fmt: skip
@@ -193,9 +208,12 @@ def test_abandoned_streams_free_their_slots(server):
         s.close(cancel=True)  # the client goes away mid-stream
     assert normal.status_code == 200 and len(kept) == 4
     gauges = ("dflash_requests_active", "dflash_requests_queued", "dflash_kv_cache_utilization")
-    # 8 x 1500 tokens would keep the engine busy for minutes: it is idle again because they were aborted
     eventually(lambda: not any(metric_value(server, m) for m in gauges), "the abandoned streams' slots freed",
                every=0.1)  # fmt: skip
+    emitted = metric_value(server, "dflash_output_tokens_total") - before
+    # Unaborted they emit 8 x 1500 (+ 4): any 4 of them left running would pass 6000, which aborted streams
+    # at most 16 x 8 tokens a 250 ms step could only reach after 11 s of full blocks.
+    assert 4 <= emitted < 4 * 1500, f"{emitted} tokens: abandoned streams ran on"
 
 
 @pytest.mark.parametrize(
