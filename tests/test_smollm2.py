@@ -70,7 +70,7 @@ def test_an_interrupted_conversion_is_not_taken_for_a_checkpoint(tmp_path, monke
 
     def fake_save(path, out, *, dtype, meta):
         calls.append(out)
-        out.mkdir()
+        out.mkdir(exist_ok=True)
         (out / "config.json").write_text(json.dumps({"ok": True}))
 
     monkeypatch.setattr(gguf, "_save_checkpoint", fake_save)
@@ -249,3 +249,17 @@ def test_sampling_on_the_real_pair_keeps_the_targets_distribution(smollm2_target
     accepted = sum(r.num_accepted_draft_tokens for r in reqs)
     assert accepted / (2 * runs) > 0.1, "drafts were (almost) never accepted: the test proves little"
     assert chi_square_p(counts, torch.tensor([exact[c] for c in cells])) > 1e-3
+
+
+def test_import_command_reuses_the_conversion_and_names_bad_paths(smollm2_target, cli):
+    """`dflash-trt import FILE.gguf`: the checkpoint directory, converted once whatever name led to it."""
+    code, out, err = cli(["import", str(gguf_path()), "--json"])
+    assert code == 0, err
+    assert json.loads(out) == {
+        "checkpoint": str(smollm2_target),
+        "dtype": "bfloat16",
+        "architecture": "llama",
+    }
+    assert "converting" not in err
+    code, _, err = cli(["import", "/nonexistent/model.gguf"])
+    assert code == 2 and "GGUF file '/nonexistent/model.gguf' does not exist" in err

@@ -40,14 +40,15 @@ NUM_TRAIN_PROMPTS = 1600
 EVAL_PROMPTS = 16  # held-out prompts the training run ends with (tau); `measure` takes all of them
 
 DRAFTER_ARGS = [
-    "--num-layers", "1",
+    "--num-layers", "2",
+    "--target-layer-ids", "1,7,14,20,27",
     "--block-size", "16",
     "--gamma", "7",
     "--seq-len", "384",
     "--num-anchors", "16",
     "--batch-size", "8",
-    "--lr", "3e-3",
-    "--epochs", "2",
+    "--lr", "2e-3",
+    "--epochs", "3",
     "--mask-token-id", "16",
     "--regenerate",
     "--regen-batch-size", "64",

@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dflash_trt.cli.precompile:precompile",
         "Compile a bundle's rounds into its compile cache before serving (a pre-warm Job).",
     ),
+    "import": (
+        "dflash_trt.cli.import_gguf:import_gguf",
+        "Convert a GGUF file (Llama, Qwen) into a checkpoint directory, once (cached).",
+    ),
     "train-drafter": (
         "dflash_trt.cli.train:train_drafter",
         "Train a DFlash drafter for a target (z-lab checkpoint format).",

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.utils.io import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,10 @@ def converted_dir(path: Path, *, dtype: str = "bfloat16", name: str | None = Non
     if dtype not in DTYPES:
         raise UsageError(f"dtype={dtype!r} is not supported for GGUF conversion", hint=f"use one of {DTYPES}")
     digest = file_sha256(path)
+    done = [d for d in sorted(cache_root().glob(f"*-{digest[:16]}-{dtype}")) if _complete(d)]
+    if done:  # converted before, maybe under another name (the same bytes given by another path)
+        return done[0]
     out = cache_root() / f"{name or path.stem.lower()}-{digest[:16]}-{dtype}"
-    if _complete(out):
-        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f".{out.name}.lock"):
         if not _complete(out):  # another process may have finished it while we waited
@@ -111,17 +112,12 @@ def _convert(path: Path, out: Path, *, dtype: str, digest: str) -> None:
         )
     sys.stderr.write(f"converting {path.name} ({arch}) to a {dtype} checkpoint in {out} (once)\n")
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    # An incomplete leftover (no provenance file) is replaced; under the lock nobody else writes it.
+    with atomic_dir(out, overwrite=True) as tmp:
         _save_checkpoint(path, tmp, dtype=dtype, meta=meta)
         provenance = {"format": FORMAT_VERSION, "source": str(path), "sha256": digest, "dtype": dtype,
                       "architecture": arch, "name": meta.get("general.name")}  # fmt: skip
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=1) + "\n")
-        shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover (no provenance file)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", path.name, time.perf_counter() - t0)
 
 
