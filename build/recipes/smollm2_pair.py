@@ -295,14 +295,15 @@ def main() -> None:
         parser.error(f"--stages: unknown {unknown}; choose from {STAGES}")
     args.out.mkdir(parents=True, exist_ok=True)
     timings_file = args.out / "timings.json"
-    timings = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
     for stage in STAGES:
         if stage in stages:
             t0 = time.perf_counter()
             globals()[f"stage_{stage}"](args.out)
-            timings[stage] = round(time.perf_counter() - t0, 1)
-            timings_file.write_text(json.dumps(timings, indent=1) + "\n")
-            log.info("stage %s: %.0f s", stage, timings[stage])
+            seconds = round(time.perf_counter() - t0, 1)
+            # read again: a stage run beside this one (another process) may have written its own time
+            timings = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
+            timings_file.write_text(json.dumps({**timings, stage: seconds}, indent=1) + "\n")
+            log.info("stage %s: %.0f s", stage, seconds)
 
 
 if __name__ == "__main__":
