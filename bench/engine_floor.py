@@ -522,7 +522,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = prompts_for(target, count=max(args.batch_sizes), length=args.prompt_len)
     import torch
 
-    threads = cpu_threads_for(shape.hidden, None) or torch.get_num_threads()
+    threads = cpu_threads_for(params["streamed_parameters"], None) or torch.get_num_threads()
     bandwidth = read_bandwidth(gib=args.bandwidth_gib, threads=threads)
     _log(f"read bandwidth {bandwidth['gb_s']:.1f} GB/s ({threads} threads)")
     configs: list[tuple[str, bool | None, bool]] = (
