@@ -10,8 +10,9 @@ Stages (each writes under --out, default build/out/smollm2-pair; --stages picks 
   drafter   `dflash-trt train-drafter --regenerate` (the target answers every training prompt with its
             own chat template, greedy), DFlash v1, ending with tau on held-out prompts
   drafter2  the DFlash 2 drafter on the same regenerated answers, flags and step budget
-  measure   every held-out prompt through the embedded engine (greedy, 128 tokens, 8 at a time, full
-            blocks): plain decoding, v1 and DFlash 2; the outputs must be identical; tau pooled over all rounds
+  measure   every held-out prompt (or the first $SMOLLM2_MEASURE_PROMPTS of their shuffled order) through
+            the embedded engine (greedy, 128 tokens, 8 at a time, full blocks): plain decoding, v1 and
+            DFlash 2; the outputs must be identical; tau pooled over all rounds
             (results.json), and each drafter's model card (README.md)
   install   copy both drafters (bf16), their model cards and the held-out prompts into
             dflash_trt/assets/smollm2-135m/
@@ -150,7 +151,7 @@ def stage_measure(out: Path) -> None:
     from dflash_trt.smollm2 import ensure_smollm2
     from dflash_trt.utils.device import cpu_model_name
 
-    prompts = _heldout_chat_ids(out)
+    prompts = _heldout_chat_ids(out)[: int(os.environ.get("SMOLLM2_MEASURE_PROMPTS", "0")) or None]
     target = ensure_smollm2().target
     plain = _run_engine(target, None, prompts)
     results: dict = {
@@ -241,7 +242,7 @@ to bfloat16). Licence: Apache-2.0.
 | architecture | {cfg["num_hidden_layers"]} draft layer(s), hidden {cfg["hidden_size"]}, block {cfg["block_size"]}, taps {cfg["dflash_config"]["target_layer_ids"]}, mask id {cfg["dflash_config"]["mask_token_id"]} (`<empty_output>`) |
 | training data | {NUM_TRAIN_PROMPTS} chat prompts: stdlib code tasks (Python's own source, PSF-2.0) and general instructions written for the recipe (build/recipes/chat_prompts.py), each answered by the target itself (greedy, its chat template, up to {args["seq_len"]} tokens in all) |
 | budget | {args.get("epochs") or "steps " + str(args.get("steps"))} epoch(s), batch {args["batch_size"]}, {args["num_anchors"]} anchors per sequence, lr {args["lr"]}, gamma {args["gamma"]}; stage time {timings.get(name, "?")} s on {results["cpu"]} (2 cores) |
-| held-out set | {results["prompts"]} prompts never trained on: MT-Bench's 80 first turns (FastChat, Apache-2.0) and HumanEval's 164 stubs (OpenAI, MIT) |
+| held-out set | {results["prompts"]} of 244 prompts never trained on (a seeded shuffle of MT-Bench's 80 first turns (FastChat, Apache-2.0) and HumanEval's 164 stubs (OpenAI, MIT)) |
 | tau (greedy, {results["max_tokens"]} tokens, full blocks, pooled over all rounds) | **{r["tau_pooled"]:.2f}** (mean of prompts {r["tau_mean_of_prompts"]:.2f}); by source: {", ".join(f"{k} {v:.2f}" for k, v in r["by_source"].items())} |
 | lossless | {r["identical_to_plain"]}/{results["prompts"]} greedy outputs identical to plain decoding |
 
