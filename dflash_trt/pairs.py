@@ -35,7 +35,8 @@ def _tiny() -> PackagedPair:
 def _smollm2() -> PackagedPair:
     p = smollm2.ensure_smollm2()
     names = {smollm2.SMOLLM2_DFLASH_NAME: p.drafter, smollm2.SMOLLM2_DFLASH2_NAME: p.drafter_dflash2}
-    return PackagedPair(smollm2.SMOLLM2_NAME, p.target, p.drafter, names)
+    default = p.drafter if smollm2.DEFAULT_DRAFTER else None
+    return PackagedPair(smollm2.SMOLLM2_NAME, p.target, default, names)
 
 
 _PAIRS: dict[str, Callable[[], PackagedPair]] = {tiny.TINY_NAME: _tiny, smollm2.SMOLLM2_NAME: _smollm2}

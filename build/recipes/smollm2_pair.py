@@ -274,6 +274,7 @@ def _relative_paths(args_file: Path) -> None:
     if not args_file.is_file():
         return
     train_args = json.loads(args_file.read_text())
+    train_args["target"] = "smollm2-135m"  # the converted checkpoint's path is this machine's cache
     for key, value in train_args.items():
         if isinstance(value, str) and os.path.isabs(value):
             train_args[key] = (
