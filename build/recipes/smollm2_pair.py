@@ -11,7 +11,7 @@ Stages (each writes under --out, default build/out/smollm2-pair; --stages picks 
             own chat template, greedy), DFlash v1, ending with tau on held-out prompts
   drafter2  the DFlash 2 drafter on the same regenerated answers, flags and step budget
   measure   every held-out prompt (or the first $SMOLLM2_MEASURE_PROMPTS of their shuffled order) through
-            the embedded engine (greedy, 128 tokens, 8 at a time, full blocks): plain decoding, v1 and
+            the embedded engine (greedy, 128 tokens, one at a time, full blocks): plain decoding, v1 and
             DFlash 2; the outputs must be identical; tau pooled over all rounds
             (results.json), and each drafter's model card (README.md)
   install   copy both drafters (bf16), their model cards and the held-out prompts into
@@ -137,11 +137,14 @@ def _train(out: Path, drafter: Path, args: list[str]) -> None:
     if (drafter / "train_state.pt").is_file():
         cmd.append("--resume")
     log.info("$ %s", " ".join(cmd))
-    subprocess.run(cmd, check=True, cwd=REPO)
+    env = dict(os.environ)
+    if env.pop("SMOLLM2_RECIPE_SET_OMP", None):
+        env.pop("OMP_NUM_THREADS", None)
+    subprocess.run(cmd, check=True, cwd=REPO, env=env)
 
 
 MEASURE_MAX_TOKENS = 128
-MEASURE_BATCH = 8
+MEASURE_BATCH = 1  # one request at a time: bf16 decoding depends on the batch's make-up (bench/README.md)
 
 
 def stage_measure(out: Path) -> None:
@@ -157,6 +160,7 @@ def stage_measure(out: Path) -> None:
     results: dict = {
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model_name(), "python": platform.python_version(),
         "prompts": len(prompts), "max_tokens": MEASURE_MAX_TOKENS, "batch": MEASURE_BATCH, "rounds": "eager",
+        "threads": 1,
         "plain_tokens": sum(len(o) for o in plain["outputs"]),
     }  # fmt: skip
     for name in ("drafter", "drafter2"):
@@ -248,6 +252,11 @@ to bfloat16). Licence: Apache-2.0.
 
 Measured {results["date"]} by the recipe's `measure` stage (the embedded engine, eager rounds).
 """
+    if r["tau_pooled"] < 2.0:
+        card += (
+            "\n**Interim.** Undertrained for this pair: at this tau its rounds cost more than they save, so "
+            "`smollm2-135m` does not draft with it unless it is named (dflash_trt/smollm2.py, DEFAULT_DRAFTER).\n"
+        )
     (d / "README.md").write_text(card)
 
 
@@ -296,6 +305,13 @@ def main() -> None:
     if unknown:
         parser.error(f"--stages: unknown {unknown}; choose from {STAGES}")
     args.out.mkdir(parents=True, exist_ok=True)
+    if "measure" in stages and "OMP_NUM_THREADS" not in os.environ:
+        # One OpenMP thread for the whole process: with more, bf16 plain decoding itself depends on the batch's
+        # make-up (bench/README.md, "The first real pair"), and plain and DFlash decoding batch their
+        # requests differently; torch.set_num_threads(1) alone does not remove it. Training stages run as
+        # subprocesses without it.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["SMOLLM2_RECIPE_SET_OMP"] = "1"
     timings_file = args.out / "timings.json"
     for stage in STAGES:
         if stage in stages:
