@@ -157,7 +157,7 @@ def test_pair_errors(tmp_path, tmp_models, cli):
     code, _, err = cli(
         ["generate", "--target", "no-such-model", "--prompt-ids", "1", "--max-new-tokens", "2"]
     )
-    assert code == 2 and "neither a known model name nor a directory" in err
+    assert code == 2 and "neither a known model name, a .gguf file nor a directory" in err
 
 
 def test_cuda_requested_without_cuda(tmp_models, cli):

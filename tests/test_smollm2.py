@@ -190,7 +190,7 @@ def test_greedy_dflash_equals_plain_decoding_on_held_out_chats(smollm2_target):
     with LLM(SMOLLM2_NAME, compile=False, max_batch_size=1) as plain:
         want = [plain.generate(p, sp).outputs[0].token_ids for p in prompts]
     for name in DRAFTERS:
-        spec = {"decoding_type": "DFlash", "speculative_model": name}
+        spec = {"decoding_type": "DFlash", "speculative_model": name, "max_draft_len": 15}
         with LLM(SMOLLM2_NAME, compile=False, max_batch_size=1, speculative_config=spec) as llm:
             got = [llm.generate(p, sp).outputs[0] for p in prompts]
         assert [g.token_ids for g in got] == want, name
