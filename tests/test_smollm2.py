@@ -64,7 +64,9 @@ def test_an_interrupted_conversion_is_not_taken_for_a_checkpoint(tmp_path, monke
 
     monkeypatch.setenv("DFLASH_TRT_MODEL_CACHE", str(tmp_path))
     src = gguf_path()
-    digest = gguf.file_sha256(src)
+    from dflash_trt.utils.io import file_sha256
+
+    digest = file_sha256(src)
     stale = tmp_path / f"{SMOLLM2_NAME}-{digest[:16]}-bfloat16"
     stale.mkdir()
     (stale / "config.json").write_text("{}")

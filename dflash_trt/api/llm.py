@@ -125,7 +125,7 @@ class LLM:
         _check_accepted_noops(kwargs)
         _check_wedge_timeout(wedge_timeout_s)
         from dflash_trt.models.checkpoint import read_json
-        from dflash_trt.models.sources import target_dtype
+        from dflash_trt.models.sources import dtype_for
         from dflash_trt.models.target_config import parse_target_config
         from dflash_trt.utils.device import resolve_device
 
@@ -140,7 +140,7 @@ class LLM:
         tcfg = parse_target_config(read_json(models.target_dir / "config.json", what="target config"))
         if max_seq_len is None:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
-        self.dtype = target_dtype(None if dtype == "auto" else dtype, self.device, models.target_dir)
+        self.dtype = dtype_for(None if dtype == "auto" else dtype, self.device, tcfg)
         self.cpu_threads = _set_cpu_threads(self.device, tcfg.num_step_parameters(), cpu_threads)
         self.engine_config = _engine_config(
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,

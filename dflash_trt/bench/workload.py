@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError, UsageError
+from dflash_trt.utils.io import file_sha256
 from dflash_trt.utils.jsonl import iter_jsonl
 
 _MAX_FIT_ITERS = 40
@@ -64,19 +65,11 @@ class WorkloadSpec:
             "tokenizer": tokenizer_name,
         }
         if self.dataset:
-            d["dataset_sha256"] = _sha256(Path(self.dataset))
+            d["dataset_sha256"] = file_sha256(Path(self.dataset))
             d["sd_realistic"] = None  # depends on the prompts
         else:
             d["sd_realistic"] = False  # random token ids: acceptance is unrepresentative
         return d
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_tokenizer(name_or_dir: str) -> Any:

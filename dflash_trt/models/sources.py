@@ -57,12 +57,19 @@ def target_dtype(dtype: str | None, device: Any, target_dir: Path) -> Any:
     from dflash_trt.errors import ConfigError
     from dflash_trt.models.checkpoint import read_json
     from dflash_trt.models.target_config import parse_target_config
-    from dflash_trt.utils.device import DTYPES, resolve_dtype
+    from dflash_trt.utils.device import resolve_dtype
 
     try:
         tcfg = parse_target_config(read_json(target_dir / "config.json", what="target config"))
     except ConfigError:
         return resolve_dtype(dtype, device)
+    return dtype_for(dtype, device, tcfg)
+
+
+def dtype_for(dtype: str | None, device: Any, tcfg: Any) -> Any:
+    """target_dtype for a parsed TargetConfig (models/target_config.py)."""
+    from dflash_trt.utils.device import DTYPES, resolve_dtype
+
     return resolve_dtype(
         dtype, device, checkpoint_dtype=DTYPES.get(tcfg.checkpoint_dtype or ""),
         num_step_parameters=tcfg.num_step_parameters(),

@@ -12,7 +12,6 @@ sees a complete checkpoint or none, and two processes never convert the same fil
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError, UsageError
-from dflash_trt.utils.io import atomic_dir
+from dflash_trt.utils.io import atomic_dir, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +35,6 @@ PROVENANCE = "dflash_trt_gguf.json"  # written last inside the converted directo
 
 def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_TRT_MODEL_CACHE") or "~/.cache/dflash-trt/models").expanduser()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
