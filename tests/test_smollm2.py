@@ -12,6 +12,7 @@ import pytest
 from dflash_trt import pairs
 from dflash_trt.errors import DFlashTrtError, UsageError
 from dflash_trt.smollm2 import SMOLLM2_NAME, ensure_smollm2, gguf_path
+from dflash_trt.utils.io import file_sha256
 
 DRAFTERS = ("smollm2-135m-dflash", "smollm2-135m-dflash2")  # shipped, named (not yet the default)
 
@@ -39,7 +40,8 @@ def test_the_converted_checkpoint_is_the_instruct_model_with_its_chat_format(smo
     )
     assert cfg["dtype"] == "bfloat16"
     provenance = json.loads((smollm2_target / "dflash_trt_gguf.json").read_text())
-    assert provenance["source"] == str(gguf_path()) and provenance["dtype"] == "bfloat16"
+    # Keyed by content: a conversion made from another copy of the same file is reused.
+    assert provenance["sha256"] == file_sha256(gguf_path()) and provenance["dtype"] == "bfloat16"
     tok = AutoTokenizer.from_pretrained(smollm2_target)
     # The end of an assistant turn stops generation (transformers' GGUF import named <|im_start|>).
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
