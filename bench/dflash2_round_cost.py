@@ -84,12 +84,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _engine(drafter_dir: Path, *, max_batch_size: int, max_seq_len: int, compile: bool) -> Any:
     import torch
 
+    from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.config import EngineConfig
-    from dflash_trt.engine.engine import LLMEngine
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
     from dflash_trt.tiny import ensure_tiny
 
-    engine = LLMEngine(
+    engine = build_engine(
         target_dir=ensure_tiny().target, drafter_dir=drafter_dir, spec=DFlashDecodingConfig(max_draft_len=G),
         tokenizer=None,
         # the phase clock reads the host clock inside the round: eager rounds only (a compiled round would break)
@@ -100,7 +100,7 @@ def _engine(drafter_dir: Path, *, max_batch_size: int, max_seq_len: int, compile
         from dflash_trt.engine.compile import use_cache_root
 
         use_cache_root(None, torch.device("cpu"))
-        engine.runner.enable_compile()
+        engine.executor.enable_compile()
     return engine
 
 
@@ -192,7 +192,7 @@ def serve_batch(
                 engine.add_request(prompts[0], RequestParams(max_tokens=2 * G + 2, ignore_eos=True))
             while engine.has_work():
                 engine.step()
-        engine.runner.freeze_compiled()
+        engine.executor.freeze()
     t0 = time.perf_counter()
     reqs = [engine.add_request(ids, RequestParams(max_tokens=max_tokens, ignore_eos=True)) for ids in prompts]
     while engine.has_work():

@@ -49,7 +49,7 @@ def main() -> None:
         llm = LLM(str(pair.target), speculative_config=spec, max_batch_size=args.max_batch_size,
                   max_num_tokens=2048, max_seq_len=384, compile=True)  # fmt: skip
         ready = time.perf_counter() - t0
-        rounds = llm.engine.runner.rounds
+        rounds = llm.engine.executor.rounds
         loaded, compiled = (rounds.loaded, rounds.compiled) if rounds is not None else (0, 0)
         print(f"{name:7s} ready {ready:7.1f} s  loaded {loaded:2d}  compiled {compiled:2d}", flush=True)
         llm.shutdown()

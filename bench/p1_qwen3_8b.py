@@ -187,18 +187,19 @@ def _collect(device: str) -> None:
 def _greedy_batch_warm_up() -> Any:
     """The engine's warm-up limited to the greedy class of two or more requests: the only class the
     timed DFlash rounds run (a compilation takes minutes per class on a GPU with torch 2.11)."""
-    from dflash_trt.engine.engine import LLMEngine
 
-    real = LLMEngine._warm_up_variants
+    from dflash_trt.engine import warmup
 
-    def greedy_batch(self: Any) -> Any:
-        return [w for w in real(self) if w.mode == "greedy" and w.batch > 1]
+    real = warmup.variants
 
-    LLMEngine._warm_up_variants = greedy_batch  # type: ignore[method-assign]
+    def greedy_batch(engine: Any) -> Any:
+        return [w for w in real(engine) if w.mode == "greedy" and w.batch > 1]
+
+    warmup.variants = greedy_batch
     try:
         yield
     finally:
-        LLMEngine._warm_up_variants = real  # type: ignore[method-assign]
+        warmup.variants = real
 
 
 def _llm(
@@ -283,8 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dflash["x_plain_step_same_batch"] = dflash["round_ms_median"] / plain_b["round_ms_median"]
         dflash["x_floor"] = dflash["round_ms_median"] / floor_ms
         print(f"dflash round {json.dumps(dflash)}", flush=True)
-        plugins = llm.engine.runner.plugins is not None
-        graphs = bool(llm.engine.runner.cuda_graphs)
+        plugins = llm.engine.parts.backend.plugins
+        graphs = bool(llm.engine.executor.cuda_graphs)
         llm.shutdown()
         del llm
         _collect(args.device)

@@ -234,8 +234,8 @@ def test_sampling_on_the_real_pair_keeps_the_targets_distribution(smollm2_target
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.config import EngineConfig
-    from dflash_trt.engine.engine import LLMEngine
     from dflash_trt.engine.request import RequestParams
     from dflash_trt.models.sources import chat_prompt_ids, load_tokenizer
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
@@ -247,7 +247,7 @@ def test_sampling_on_the_real_pair_keeps_the_targets_distribution(smollm2_target
     )
     hf = AutoModelForCausalLM.from_pretrained(smollm2_target, dtype=torch.float32).eval()
     exact = exact_topk_joint(hf, prompt, temperature=1.0, top_k=3, steps=3)
-    engine = LLMEngine(
+    engine = build_engine(
         target_dir=smollm2_target, drafter_dir=pairs.packaged_drafter(drafter),
         spec=DFlashDecodingConfig(max_draft_len=2), tokenizer=None,
         config=EngineConfig(max_batch_size=64, max_seq_len=256, compile=False),

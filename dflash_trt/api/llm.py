@@ -163,11 +163,11 @@ class LLM:
         loaded so far frozen out of the cyclic garbage collector."""
         import torch
 
-        from dflash_trt.engine.engine import LLMEngine
+        from dflash_trt.engine.assemble import build_engine
         from dflash_trt.models.sources import default_stop_token_ids
 
         with torch.inference_mode():
-            engine = LLMEngine(
+            engine = build_engine(
                 target_dir=target_dir,
                 drafter_dir=self.drafter_dir,
                 spec=spec,
@@ -282,6 +282,10 @@ class LLM:
         self._wake.set()
         self._released.set()  # an injected hang returns
         self._thread.join(timeout=30 if self._dead is None else 1)  # a wedged thread may never return
+        if self._watchdog is not None:
+            # It returns at once now. Joined, so that it never drops the last reference to the engine
+            # (and frees its tensors) while the interpreter exits: that aborts the process.
+            self._watchdog.join(timeout=5)
         if self._precompiler is not None and self._precompiler.poll() is None:
             self._precompiler.terminate()  # its finished classes stay in the cache for the next start
             self._precompiler.wait(timeout=30)
@@ -364,10 +368,12 @@ class LLM:
         self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
         self._thread.start()
         self.wedge_timeout_s = wedge_timeout_s
+        self._watchdog: threading.Thread | None = None
         if wedge_timeout_s is not None:
-            threading.Thread(
+            self._watchdog = threading.Thread(
                 target=self._watch, args=(wedge_timeout_s,), name="dflash-watchdog", daemon=True
-            ).start()
+            )
+            self._watchdog.start()
 
     def _loop(self) -> None:
         import torch
@@ -382,10 +388,10 @@ class LLM:
                         self._publish_stats()
                         self._parked = True
                         # while rounds compile in the background, look for them now and then
-                        self._wake.wait(timeout=1.0 if self.engine.awaits_compiled_rounds() else None)
+                        self._wake.wait(timeout=1.0 if self.engine.executor.expecting else None)
                         self._parked = False
                         self._wake.clear()
-                        self.engine.load_compiled_rounds()
+                        self.engine.executor.load_ready()
                         continue
                     updates = self._step()
                     self._progress += 1
@@ -478,9 +484,7 @@ class LLM:
                     mean_acceptance_length=(sum(lengths) / n_rounds) if n_rounds else 0.0,
                     num_rounds=n_rounds,
                     total_overturned_draft_tokens=at.num_overturned_draft_tokens,
-                    tree_budgets=list(req.tree_budgets[:n_rounds])
-                    if self.engine.budgets.max_budget
-                    else None,
+                    tree_budgets=list(req.tree_budgets[:n_rounds]) if self.engine.planner.trees else None,
                 ),
             )
         comp = CompletionOutput(
@@ -577,17 +581,17 @@ def _start_compiled(engine: Any, request: Callable[[Any], Any]) -> Any:
     from dflash_trt.engine.compile import BACKGROUND_ENV, saves_compiled_rounds
     from dflash_trt.engine.precompile import spawn
 
-    rounds = engine.runner.rounds
+    executor = engine.executor
     classes = engine.warm_up_classes()
     # Whether other processes (a background compiler, or helpers beside this one: engine/precompile.py)
     # can compile for this engine: on the CPU, into a cache directory, with a torch that saves rounds.
-    handed_over = engine.device.type == "cpu" and rounds.directory is not None and saves_compiled_rounds()
-    if not handed_over or rounds.on_disk(classes) or os.environ.get(BACKGROUND_ENV, "1") == "0":
+    handed_over = engine.device.type == "cpu" and executor.directory is not None and saves_compiled_rounds()
+    if not handed_over or executor.on_disk(classes) or os.environ.get(BACKGROUND_ENV, "1") == "0":
         _warm_up_compiled(engine, request if handed_over else None)
         return None
-    engine.runner.freeze_compiled()  # nothing compiles in this process: rounds run eagerly until loaded
-    rounds.expect(classes)
-    return spawn(request(engine), rounds.directory)
+    executor.freeze()  # nothing compiles in this process: rounds run eagerly until loaded
+    executor.expect(classes)
+    return spawn(request(engine), executor.directory)
 
 
 def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) -> None:
@@ -600,11 +604,11 @@ def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) 
     log.info("compiled rounds: loading or compiling greedy and sampled rounds at batch 1 and 2+")
     try:
         if request is not None:
-            seconds = warm_up_shared(engine, request(engine), engine.runner.rounds.directory)
+            seconds = warm_up_shared(engine, request(engine), engine.executor.directory)
         else:
             seconds = engine.warm_up()
         log.info("compiled rounds ready in %.1f s", seconds)
-        engine.runner.freeze_compiled()  # a shape class not seen in warm-up runs eagerly, never stalls
+        engine.executor.freeze()  # a shape class not seen in warm-up runs eagerly, never stalls
     except Exception as exc:  # any compiler failure: serving eagerly beats not serving
         log.warning(
             "compiling the round failed (%s: %s); serving with eager rounds",
@@ -612,7 +616,7 @@ def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) 
             str(exc).splitlines()[0] if str(exc) else "",
         )
         engine.fail_all()
-        engine.runner.disable_compile()
+        engine.executor.disable()
         torch._dynamo.reset()
 
 

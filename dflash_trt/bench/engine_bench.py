@@ -161,7 +161,7 @@ def _variant_engine(
     llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
                   enforce_eager=enforce_eager, compile=compile)  # fmt: skip
     config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
-    config["compiled"] = bool(llm.engine.runner.compiled)
+    config["compiled"] = bool(llm.engine.executor.compiled)
     return llm
 
 
@@ -349,7 +349,7 @@ def _measure(llm: Any, mode: str, batch: list[str], *, max_tokens: int) -> Point
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, return_perf_metrics=True)
     runner = llm.engine.runner
     before = dict(vars(runner.times))
-    policy = llm.engine.draft_lens
+    policy = llm.engine.planner.draft_lens
     lens_before = dict(policy.rounds) if policy is not None else {}
     if llm.device.type == "cuda":
         torch.cuda.synchronize()

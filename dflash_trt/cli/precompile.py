@@ -103,7 +103,7 @@ def _run(cfg: dict[str, Any]) -> int:
         return 1
     t0 = time.perf_counter()
     with foreground_compile(), LLM(**cfg) as llm:
-        rounds = llm.engine.runner.rounds
+        rounds = llm.engine.executor.rounds
         if rounds is None:
             click.echo("error: compiling the rounds failed (see the warning above); servers of this bundle "
                        "will run eager rounds", err=True)  # fmt: skip

@@ -243,9 +243,9 @@ def run(request: PrecompileRequest, claims: str | None = None) -> int:
 
     import torch
 
+    from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.compile import point_inductor_at
     from dflash_trt.engine.config import EngineConfig
-    from dflash_trt.engine.engine import LLMEngine
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
     from dflash_trt.utils.device import DTYPES
 
@@ -256,7 +256,7 @@ def run(request: PrecompileRequest, claims: str | None = None) -> int:
     assert config.compile and config.compile_dir is not None
     t0 = time.perf_counter()
     with torch.inference_mode():
-        engine = LLMEngine(
+        engine = build_engine(
             target_dir=request.target_dir,
             drafter_dir=request.drafter_dir,
             spec=DFlashDecodingConfig.from_any(request.spec) if request.spec is not None else None,
@@ -266,7 +266,7 @@ def run(request: PrecompileRequest, claims: str | None = None) -> int:
             dtype=DTYPES[request.dtype],
             eos_token_ids=request.eos_token_ids,
         )
-        rounds = engine.runner.rounds
+        rounds = engine.executor.rounds
         assert rounds is not None and rounds.directory is not None
         if claims is not None:  # a helper: its parent holds the lock
             engine.warm_up(Claims(rounds.directory, claims))
@@ -291,7 +291,7 @@ def warm_up_shared(engine: Any, request: PrecompileRequest, directory: Path) -> 
     damaged artifact is compiled again) and compiles what a failed helper left. Returns the seconds
     it took."""
     t0 = time.perf_counter()
-    rounds = engine.runner.rounds
+    rounds = engine.executor.rounds
     classes = engine.warm_up_classes()
     missing = sum(not rounds.on_disk([k]) for k in classes)
     compiled = rounds.compiled

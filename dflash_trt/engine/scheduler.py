@@ -37,17 +37,17 @@ class Scheduler:
         max_num_tokens: int,
         num_pages: int,
         page_size: int,
-        block_size: int,
-        tree_budget: int = 0,
+        round_tokens: int,
+        scratch_tokens: int = 0,
     ) -> None:
-        """tree_budget: the largest DDTree budget a round may verify (0 = linear DFlash only)."""
+        """round_tokens: the most tokens a running request verifies per round (its block, or a tree's
+        nodes and root: `RoundPlanner.round_tokens`); scratch_tokens: the cache columns a tree round
+        writes past max_len (`RoundPlanner.scratch_tokens`: a tree round writes its nodes' K/V to
+        columns start .. start + budget, and start <= max_len - 2 while a request runs)."""
         self.max_num_tokens = max_num_tokens
         self.page_size = page_size
-        # tokens a running request may verify per round: its block, or the tree's nodes and root
-        self.block_size = max(block_size, tree_budget + 1 if tree_budget else 0)
-        # A tree round writes its nodes' K/V to columns start .. start + budget, and start <= max_len - 2
-        # while a request runs: `tree_budget` columns past max_len cover every round.
-        self.scratch_tokens = tree_budget
+        self.round_tokens = round_tokens
+        self.scratch_tokens = scratch_tokens
         self.allocator = PageAllocator(num_pages)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -73,7 +73,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         self._admit()
         step = ScheduledStep(decode=list(self.running))
-        budget = self.max_num_tokens - len(self.running) * self.block_size
+        budget = self.max_num_tokens - len(self.running) * self.round_tokens
         if self.prefilling:
             budget = max(budget, min(self.max_num_tokens, self.page_size))
         for req in self.prefilling:

@@ -46,7 +46,7 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     # 1. A cold cache, background compiling off: every warm-up class compiled here, then saved.
     monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "0")
     with small_llm(small_pair, tmp_path) as llm:
-        rounds = llm.engine.runner.rounds
+        rounds = llm.engine.executor.rounds
         assert (rounds.loaded, rounds.compiled) == (0, CLASSES) == (0, len(llm.engine.warm_up_classes()))
         assert llm.drain_round_times() == []  # warm-up rounds are not reported as traffic
         assert tokens(llm) == want
@@ -65,7 +65,7 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     # 2. The next start loads them (seconds, no tracing) and gives the same tokens.
     monkeypatch.delenv(compile_mod.BACKGROUND_ENV)
     with small_llm(small_pair, tmp_path) as again:
-        assert (again.engine.runner.rounds.loaded, again.engine.runner.rounds.compiled) == (CLASSES, 0)
+        assert (again.engine.executor.rounds.loaded, again.engine.executor.rounds.compiled) == (CLASSES, 0)
         assert again._precompiler is None  # nothing to compile: no child
         assert tokens(again) == want
         request = again._precompile_request(again.engine)
@@ -97,7 +97,7 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     monkeypatch.setattr(precompile, "spawn", fake_spawn)
     monkeypatch.setattr(compile_mod, "REFRESH_S", 0.0)
     with small_llm(small_pair, tmp_path) as cold:
-        rounds = cold.engine.runner.rounds
+        rounds = cold.engine.executor.rounds
         assert len(children) == 1 and (rounds.loaded, rounds.compiled) == (0, 0)
         assert tokens(cold) == want  # eager meanwhile
         children[0].finish()

@@ -170,7 +170,7 @@ def test_float32_engine_keeps_bf16_weights_and_is_lossless(monkeypatch) -> None:
     """tiny in float32 with its (bf16-checkpoint) weights kept as bf16 for the AVX2 kernel, as the
     engine does for models whose steps stream their weights (the line lowered here to reach tiny): greedy
     DFlash output equals the plain greedy output of the same target with dense fp32 weights."""
-    from dflash_trt.engine import engine as engine_mod
+    from dflash_trt.engine import assemble as engine_mod
     from dflash_trt.tiny import heldout_prompts
 
     if not cpu_gemm.available(torch.float32):

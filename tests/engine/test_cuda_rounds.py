@@ -27,9 +27,9 @@ def run_both(tdir, speculative_config, jobs, **kw):
             res = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
             outs.append([r.outputs[0] for r in res])
             if not eager:
-                runner = llm.engine.runner
-                facts = {"graphs": len(runner._graphs), "failed": runner._graph_failed,
-                         "plugins": runner.plugins is not None}  # fmt: skip
+                executor = llm.engine.executor
+                facts = {"graphs": len(executor._graphs), "failed": executor._graph_failed,
+                         "plugins": llm.engine.parts.backend.plugins}  # fmt: skip
     return outs[0], outs[1], facts
 
 
@@ -106,11 +106,13 @@ def test_compile_true_on_cuda_equals_eager_rounds(pair, drafted):  # noqa: F811
                  max_seq_len=128, compile=compile, wedge_timeout_s=None) as llm:  # fmt: skip
             res = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
             outs.extend(r.outputs[0].token_ids for r in res)
-            runner = llm.engine.runner
-            graphs = list(runner._graphs.values())
-            assert graphs and not runner._graph_failed
+            executor = llm.engine.executor
+            graphs = list(executor._graphs.values())
+            assert graphs and not executor._graph_failed
             if compile:  # top-k/top-p requests are a class the warm-up does not compile
-                assert runner.rounds is not None, "compiling the round failed: the engine fell back to eager"
+                assert executor.rounds is not None, (
+                    "compiling the round failed: the engine fell back to eager"
+                )
                 assert any(g.compiled_fn is not None for g in graphs), "no graph runs a compiled round"
                 assert not any(g.stale() for g in graphs), "a compiled class was captured eagerly"
     assert compiled == eager

@@ -42,11 +42,11 @@ def test_tree_engine_equals_reference_ddtree_and_plain_greedy(pair, static_round
     llm = LLM(str(tdir), speculative_config=spec(ddir, tree_budget=budget), max_batch_size=5, max_num_tokens=64,
               max_seq_len=128)  # fmt: skip
     # CPU rounds build their trees in dflash_tree::best_first (CI has a C++ compiler) ...
-    assert llm.engine.runner.native_tree
+    assert llm.engine.parts.native_tree
     if static_rounds:  # padded static buffers: the exact path a CUDA graph captures
-        llm.engine.runner.static_rounds = True
-        llm.engine.runner.graph_batch_sizes = (2, 5)
-        llm.engine.runner.native_tree = False  # ... CUDA rounds in the batched torch builder
+        llm.engine.executor.static_rounds = True
+        llm.engine.executor.graph_batch_sizes = (2, 5)
+        llm.engine.parts.native_tree = False  # ... CUDA rounds in the batched torch builder
     try:
         results = llm.generate([p for p, _ in jobs], [perf(sp) for _, sp in jobs])
         stats = llm.get_stats()
@@ -206,14 +206,14 @@ def test_compiled_tree_rounds_equal_eager_rounds(pair):  # noqa: F811
     with LLM(str(tdir), speculative_config=cfg, max_batch_size=4, max_seq_len=128, compile=False,
              wedge_timeout_s=None) as llm:  # fmt: skip
         counters.clear()
-        runner = llm.engine.runner
-        runner.enable_compile()
-        runner.compile_prefill = False  # the prefill runs eagerly: one graph is the tree round's
+        runner, executor = llm.engine.runner, llm.engine.executor
+        executor.enable_compile()
+        executor.compile_prefill = False  # the prefill runs eagerly: one graph is the tree round's
         run = runner.decode_round
 
         def compile_once(*args, **kwargs):
             out = run(*args, **kwargs)
-            runner.freeze_compiled()  # the first round compiled; later shape classes run eagerly
+            executor.freeze()  # the first round compiled; later shape classes run eagerly
             return out
 
         runner.decode_round = compile_once

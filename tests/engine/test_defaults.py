@@ -179,12 +179,14 @@ def test_where_a_cold_cache_is_compiled(monkeypatch, tmp_path, device, saves, en
     from dflash_trt.engine import precompile
 
     events: list[str] = []
-    rounds = SimpleNamespace(
-        directory=tmp_path, on_disk=lambda classes: False, expect=lambda c: events.append("expect")
+    executor = SimpleNamespace(
+        directory=tmp_path,
+        on_disk=lambda classes: False,
+        expect=lambda c: events.append("expect"),
+        freeze=lambda: events.append("freeze"),
     )
-    runner = SimpleNamespace(rounds=rounds, freeze_compiled=lambda: events.append("freeze"))
     engine = SimpleNamespace(
-        device=torch.device(device), runner=runner, warm_up_classes=lambda: [("k", True)]
+        device=torch.device(device), executor=executor, warm_up_classes=lambda: [("k", True)]
     )
     monkeypatch.setenv(compile_mod.BACKGROUND_ENV, env)
     monkeypatch.setattr(compile_mod, "saves_compiled_rounds", lambda: saves)

@@ -7,14 +7,16 @@ batch never lets one request's block reach another's."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from dflash_trt import LLM, SamplingParams
+from dflash_trt.engine import round as round_mod
+from dflash_trt.engine.assemble import build_engine
 from dflash_trt.engine.config import EngineConfig
-from dflash_trt.engine.engine import LLMEngine
 from dflash_trt.engine.request import RequestParams
 from dflash_trt.models.checkpoint import load_drafter, save_drafter
 from dflash_trt.reference.generate import spec_generate
@@ -99,13 +101,13 @@ def run_llm(tdir, ddir, jobs, *, block: int, static_rounds=False, compile=False,
             "max_concurrency": max_batch_size}  # fmt: skip
     llm = LLM(str(tdir), speculative_config=spec, max_batch_size=max_batch_size, max_num_tokens=64,
               max_seq_len=256, dtype="float32", compile=compile, use_plugins=use_plugins)  # fmt: skip
-    runner = llm.engine.runner
-    assert runner.drafter is not None and runner.drafter.selector is not None
+    engine = llm.engine
+    assert engine.drafter is not None and engine.drafter.selector is not None
     if static_rounds:  # padded static buffers: what a CUDA graph captures
-        runner.static_rounds = True
-        runner.graph_batch_sizes = (3, max_batch_size)
+        engine.executor.static_rounds = True
+        engine.executor.graph_batch_sizes = (3, max_batch_size)
     if spy is not None:
-        spy(runner)
+        spy(engine)
     try:
         outs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     finally:
@@ -165,16 +167,17 @@ def test_random_dflash2_engine_equals_reference_round_by_round(
     jobs = workload(18, seed=11)
     calls: list[str] = []
 
-    def spy(runner):
+    def spy(engine):
         if use_plugins:
-            assert runner.plugins is not None
-            walk = runner._walk
+            backend = engine.parts.backend
+            assert backend.plugins
+            walk = backend.walk
 
             def counted(*args):
                 calls.append("selector_walk")
                 return walk(*args)
 
-            runner._walk = counted
+            engine.parts.backend = dataclasses.replace(backend, walk=counted)
 
     outs = run_llm(
         tdir, ddir, jobs, block=BLOCK, static_rounds=static_rounds, use_plugins=use_plugins, spy=spy
@@ -196,13 +199,13 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
 
     use_cache_root(None, torch.device("cpu"))  # as LLM does: a warm cache makes this seconds of tracing
     tdir, ddir, model = random_pairs("plain")
-    engine = LLMEngine(
+    engine = build_engine(
         target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig(max_draft_len=BLOCK - 1), tokenizer=None,
         config=EngineConfig(max_batch_size=2, max_seq_len=64), device=torch.device("cpu"), dtype=torch.float32,
     )  # fmt: skip
-    engine.runner.enable_compile()
-    engine.runner.compile_prefill = False  # this test compiles rounds (the prefill: test_compiled_rounds)
-    engine.runner.static_rounds, engine.runner.graph_batch_sizes = True, (1, 2)
+    engine.executor.enable_compile()
+    engine.executor.compile_prefill = False  # this test compiles rounds (the prefill: test_compiled_rounds)
+    engine.executor.static_rounds, engine.executor.graph_batch_sizes = True, (1, 2)
     graphs = counters["stats"]["unique_graphs"]
     jobs = [([3, 1, 4, 1, 5], SamplingParams(max_tokens=24, ignore_eos=True)),
             ([2, 7, 1, 8], SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True))]  # fmt: skip
@@ -211,9 +214,9 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
     while engine.has_work():
         engine.step()
         if engine.runner.times.rounds == 1:  # the first round compiled; other shape classes run eagerly
-            engine.runner.freeze_compiled()
+            engine.executor.freeze()
     assert counters["stats"]["unique_graphs"] > graphs, "no round was compiled"
-    static = list(engine.runner._graphs.values())
+    static = list(engine.executor._graphs.values())
     assert any(s.compiled_fn is not None for s in static), "the static rounds ran eagerly"
     drafter = load_drafter(ddir, dtype=torch.float32)
     for (prompt, sp), req in zip(jobs, reqs):
@@ -223,7 +226,7 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
     assert sum(r.num_overturned_draft_tokens for r in reqs) > 0
 
 
-def test_ragged_batch_keeps_each_request_in_its_own_block(random_pairs):
+def test_ragged_batch_keeps_each_request_in_its_own_block(random_pairs, monkeypatch):
     """The drafter's final states of a request (conv taps and attention included) are the same whether
     it runs alone or batched with others whose blocks are cut short (B_i < g + 1) at other rows, in
     eager and padded static rounds: no tap reads across requests."""
@@ -232,21 +235,22 @@ def test_ragged_batch_keeps_each_request_in_its_own_block(random_pairs):
     others = [([7] * n, SamplingParams(max_tokens=m, ignore_eos=True)) for n, m in ((2, 3), (11, 7), (5, 2))]
 
     def recorder(into: dict):
-        def spy(runner):
-            decode_round, select = runner.decode_round, runner._select
+        def spy(engine):
+            decode_round, select = engine.runner.decode_round, round_mod.select
             current: list = []
 
-            def rounds(reqs, g, budget=0):
+            def rounds(reqs, shape):
                 current[:] = [r.request_id for r in reqs]
-                return decode_round(reqs, g, budget)
+                return decode_round(reqs, shape)
 
-            def selecting(anchors, block_pos, hidden, logits, sampling):
+            def selecting(parts, inputs, blk, hidden, logits, sampling):
                 for row, rid in enumerate(current):
                     if rid == 0:  # the request under test: its block's states at this anchor
-                        into.setdefault(int(block_pos[row, 0]), hidden[row].clone())
-                return select(anchors, block_pos, hidden, logits, sampling)
+                        into.setdefault(int(blk.pos[row, 0]), hidden[row].clone())
+                return select(parts, inputs, blk, hidden, logits, sampling)
 
-            runner.decode_round, runner._select = rounds, selecting
+            engine.runner.decode_round = rounds
+            monkeypatch.setattr(round_mod, "select", selecting)
 
         return spy
 
@@ -279,7 +283,7 @@ def test_engine_dflash2_sampling_preserves_target_distribution(chi_pair, samplin
     drafts, 64 requests a round, static padded rounds): the joint distribution of the 3 generated tokens
     is the target's, and the engine's rounds accept drafts and overturn argmax picks."""
     tdir, ddir, target = chi_pair
-    engine = LLMEngine(
+    engine = build_engine(
         target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig(max_draft_len=2), tokenizer=None,
         config=EngineConfig(max_batch_size=64, max_seq_len=16, static_rounds=True, compile=False),
         device=torch.device("cpu"), dtype=torch.float32,
@@ -329,13 +333,13 @@ def test_llm_takes_tiny_dflash2_by_name_and_the_engine_refuses_it_a_tree(random_
 
     spec = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": "tiny-dflash2"}
     with LLM("tiny", speculative_config=spec, max_batch_size=1) as llm:
-        assert llm.engine.runner.drafter.selector is not None
+        assert llm.engine.drafter.selector is not None
         out = llm.generate(
             "def fib(n):", SamplingParams(max_tokens=32, ignore_eos=True, return_perf_metrics=True)
         )
     assert out.outputs[0].request_perf_metrics.speculative_decoding.total_overturned_draft_tokens > 0
     tdir, ddir, _ = random_pairs("plain")
     with pytest.raises(ConfigError, match=r"tree_budget=8: DDTree verification does not run DFlash 2"):
-        LLMEngine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig(max_draft_len=3, tree_budget=8),
+        build_engine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig(max_draft_len=3, tree_budget=8),
                   tokenizer=None, config=EngineConfig(max_batch_size=1, max_seq_len=64),
                   device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip

@@ -78,7 +78,7 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
         engine = llm.engine
         # the verify cost grows with the block
         rounds = fake_clock(engine, lambda n, g, _b: 1.0 + (0.0 if n == 1 else n * (g + 1) ** 2))
-        engine.draft_lens.explore_every = 10_000
+        engine.planner.draft_lens.explore_every = 10_000
         alone = llm.generate(prompts[:1], sp)[0].outputs[0].token_ids
         assert {g for _, g, _ in rounds} == {BLOCK - 1}
         rounds.clear()
@@ -95,20 +95,20 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
 def test_warm_up_runs_every_draft_length_and_leaves_no_measurement(pair):  # noqa: F811
     """The warm-up (what compiles rounds before traffic) runs the full block at batch 1 and every
     candidate draft length at batch 2, greedy and sampled, and forgets its rounds' costs."""
+    from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.config import EngineConfig
-    from dflash_trt.engine.engine import LLMEngine
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
 
     tdir, ddir, _ = pair
-    engine = LLMEngine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig.from_any(spec(ddir)),
+    engine = build_engine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig.from_any(spec(ddir)),
                        tokenizer=None, config=EngineConfig(max_batch_size=2, max_seq_len=128),
                        device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
     seen = set()
     run = engine.runner.decode_round
 
-    def spy(reqs, g, budget=0):
-        seen.add((len(reqs), g, reqs[0].temperature > 0))
-        return run(reqs, g, budget)
+    def spy(reqs, shape):
+        seen.add((len(reqs), shape.g, reqs[0].temperature > 0))
+        return run(reqs, shape)
 
     engine.runner.decode_round = spy
     engine.warm_up()
@@ -117,7 +117,7 @@ def test_warm_up_runs_every_draft_length_and_leaves_no_measurement(pair):  # noq
         (2, g, s) for g in auto_draft_lens(k) for s in (False, True)
     }
     assert seen == expected
-    policy = engine.draft_lens
+    policy = engine.planner.draft_lens
     assert policy is not None and policy.override is None and policy.tau(k) is None
     assert (
         policy.round_seconds(k, 2) is None and len(engine.warm_up_classes()) == len(expected) + 2

@@ -78,8 +78,8 @@ def test_concurrent_requests_equal_single_request_reference(pair, static_rounds)
     jobs = workload(28)
     llm = LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=8, max_num_tokens=64, max_seq_len=128)
     if static_rounds:  # padded static buffers: the exact path a CUDA graph would capture
-        llm.engine.runner.static_rounds = True
-        llm.engine.runner.graph_batch_sizes = (3, 8)
+        llm.engine.executor.static_rounds = True
+        llm.engine.executor.graph_batch_sizes = (3, 8)
     try:
         handles = [llm.generate_async(p, sp, streaming=bool(i % 2)) for i, (p, sp) in enumerate(jobs)]
         results = [h.result(timeout=120) for h in handles]
@@ -585,7 +585,7 @@ def test_cuda_graph_rounds_equal_eager_rounds(pair):
                 [r.outputs[0].token_ids for r in llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
             )
             if not eager:
-                assert llm.engine.runner._graphs and not llm.engine.runner._graph_failed
+                assert llm.engine.executor._graphs and not llm.engine.executor._graph_failed
     assert outs[0] == outs[1]
 
 

@@ -109,9 +109,8 @@ def test_the_engine_samples_the_same_tokens_with_and_without_the_operator(monkey
             if budget:
                 spec["tree_budget"] = budget
             with LLM("tiny", speculative_config=spec, compile=False) as llm:
-                runner = llm.engine.runner
-                assert runner.native_uniform == (switch == "1")
-                assert runner._compile_facts()["native_uniform"] == (switch == "1")
+                assert llm.engine.parts.native_uniform == (switch == "1")
+                assert llm.engine.executor.compile_facts()["native_uniform"] == (switch == "1")
                 outs[switch, budget] = [
                     [o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in params
                 ]

@@ -68,15 +68,15 @@ def test_a_compiled_round_made_for_another_engine_is_refused_by_its_guards(
     source = saved[0].parent
     with small_llm(small_pair, tmp_path, max_batch_size=1, compile=False, dtype="bfloat16") as bf16:
         want = tokens(bf16)
-        runner = bf16.engine.runner
-        runner.compile_dir = str(tmp_path / "cache")  # a cache of its own: the bundle's stays as it is
-        runner.enable_compile()
-        target = runner.rounds.directory
+        executor = bf16.engine.executor
+        executor.compile_dir = str(tmp_path / "cache")  # a cache of its own: the bundle's stays as it is
+        executor.enable_compile()
+        target = executor.rounds.directory
         assert target != source
         shutil.copytree(source, target)
-        runner.freeze_compiled()
+        executor.freeze()
         assert tokens(bf16) == want
-        rounds = runner.rounds
+        rounds = executor.rounds
         assert rounds.loaded >= 1 and not rounds._fns and rounds._refused  # loaded, refused, dropped
 
 
@@ -243,7 +243,7 @@ def test_a_failed_share_stops_the_helpers_and_releases_the_claims(monkeypatch, t
         raise RuntimeError("inductor failed")
 
     rounds = SimpleNamespace(on_disk=lambda keys: False, compiled=0, helped=0)
-    engine = SimpleNamespace(runner=SimpleNamespace(rounds=rounds), warm_up_classes=lambda: [("k",)],
+    engine = SimpleNamespace(executor=SimpleNamespace(rounds=rounds), warm_up_classes=lambda: [("k",)],
                              warm_up_size=lambda: 2, warm_up=warm_up)  # fmt: skip
     with pytest.raises(RuntimeError, match="inductor failed"):
         precompile.warm_up_shared(engine, None, tmp_path)

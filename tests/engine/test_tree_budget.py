@@ -42,10 +42,10 @@ def fake_clock(engine, cost) -> list[tuple[int, int, int]]:
     clock, rounds = [0.0], []
     run = engine.runner.decode_round
 
-    def timed(reqs, g, budget=0):
-        out = run(reqs, g, budget)
-        clock[0] += cost(len(reqs), g, budget)
-        rounds.append((len(reqs), g, budget))
+    def timed(reqs, shape):
+        out = run(reqs, shape)
+        clock[0] += cost(len(reqs), shape.g, shape.budget)
+        rounds.append((len(reqs), shape.g, shape.budget))
         return out
 
     engine.runner.decode_round = timed
@@ -137,7 +137,7 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
         rounds = fake_clock(
             engine, lambda n, g, b: 1.0 if n == 1 else 1.0 + 0.5 * n * (2 * (b + 1) if b else g + 1)
         )
-        engine.budgets.explore_every = 10_000  # no re-exploration (its own test above)
+        engine.planner.budgets.explore_every = 10_000  # no re-exploration (its own test above)
         sp = SamplingParams(max_tokens=120, return_perf_metrics=True)
         alone = llm.generate([1, 2, 3], sp).outputs[0].request_perf_metrics.speculative_decoding
         assert alone.tree_budgets[: len(EXPLORATION)] == EXPLORATION  # exploration at batch 1
@@ -148,13 +148,13 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
         llm.generate([[i % 12 + 1, 2] for i in range(16)], sp)
         # a full batch: the draft-length policy picks the chain's length; only full-block rounds may
         # verify a tree, and those back off to the chain once the new bucket's budgets were explored
-        k = engine.block_size - 1
+        k = engine.planner.max_draft_len
         full = [(g, b) for n, g, b in rounds if n == 16]
         block = [b for g, b in full if g == k]
         explored = block[: len(NEW_BUCKET)]  # the draft-length policy may leave the full block earlier
         assert explored == NEW_BUCKET[: len(explored)] and set(block[len(NEW_BUCKET) :]) <= {0}
         assert {b for g, b in full if g != k} <= {0} and {g for g, _ in full} > {k}
-    assert llm.engine.budgets.tau(L) >= llm.engine.budgets.tau(S)
+    assert llm.engine.planner.budgets.tau(L) >= llm.engine.planner.budgets.tau(S)
 
 
 def test_warm_up_runs_every_budget_and_its_rounds_are_not_measured(pair):  # noqa: F811
@@ -162,23 +162,25 @@ def test_warm_up_runs_every_budget_and_its_rounds_are_not_measured(pair):  # noq
     both sampling modes, and leaves no measurement behind: compiling rounds would mislead the choice."""
     import torch
 
+    from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.config import EngineConfig
-    from dflash_trt.engine.engine import LLMEngine
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
 
     tdir, ddir, _ = pair
-    engine = LLMEngine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig.from_any(spec(ddir, tree_budget="auto")),
+    engine = build_engine(target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig.from_any(spec(ddir, tree_budget="auto")),
                        tokenizer=None, config=EngineConfig(max_batch_size=2, max_seq_len=128), device=torch.device("cpu"),
                        dtype=torch.float32)  # fmt: skip
     seen = []
     run = engine.runner.decode_round
 
-    def spy(reqs, g, budget=0):
-        seen.append((budget, reqs[0].temperature > 0))
-        return run(reqs, g, budget)
+    def spy(reqs, shape):
+        seen.append((shape.budget, reqs[0].temperature > 0))
+        return run(reqs, shape)
 
     engine.runner.decode_round = spy
     engine.warm_up()
     assert set(seen) == {(b, sampled) for b in AUTO_BUDGETS for sampled in (False, True)}
-    assert engine.budgets.override is None and engine.budgets.tau(S) is None
-    assert engine.budgets.round_seconds(L, 1) is None and engine.budgets.choose(1) == max(AUTO_BUDGETS)
+    assert engine.planner.budgets.override is None and engine.planner.budgets.tau(S) is None
+    assert engine.planner.budgets.round_seconds(L, 1) is None and engine.planner.budgets.choose(1) == max(
+        AUTO_BUDGETS
+    )

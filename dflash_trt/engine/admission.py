@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one place a request is checked: prompt ids, lengths against max_seq_len and the KV cache,
+sampling ranges, min_tokens and seed, stop ids and strings. A request that passes becomes the
+engine's `Request` (stop ids resolved, a seed drawn when none was given, a detokenizer when the
+model has a tokenizer). Every refusal is a RequestError naming the field, the value and the fix.
+Thread-safe: it reads only what is fixed once the engine is built.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
+from dflash_trt.engine.request import Request, RequestParams
+from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.spec.prompt import check_prompt_ids
+from dflash_trt.spec.sampling import validate_sampling
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, *, vocab_size: int, eos_token_ids: tuple[int, ...], tokenizer: Any,
+                 kv_pages: int, pages_needed: Callable[[int, int], int], scratch_tokens: int) -> None:  # fmt: skip
+        """kv_pages: the KV cache's pages; pages_needed(prompt_len, max_tokens): the pages a request
+        reserves (the scheduler's rule), scratch_tokens of them a DDTree's scratch."""
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.kv_pages = kv_pages
+        self.pages_needed = pages_needed
+        self.scratch_tokens = scratch_tokens
+        self._ids = itertools.count()
+
+    def admit(self, prompt_ids: list[int], params: RequestParams, *, owner: Any = None) -> Request:
+        """The checked request. `owner` is stored on it untouched (the LLM API keeps its handle there)."""
+        check_prompt_ids(prompt_ids, self.vocab_size)
+        self._check_lengths(len(prompt_ids), params.max_tokens)
+        self._check_sampling(params)
+        return self.make_request(prompt_ids, params, owner=owner)
+
+    def _check_lengths(self, n: int, max_tokens: Any) -> None:
+        """max_tokens against the prompt's `n` tokens, max_seq_len and the KV cache."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens!r} must be an integer >= 1", field="max_tokens",
+                               hint="send max_tokens >= 1")  # fmt: skip
+        limit = self.config.max_seq_len
+        if n >= limit:
+            raise RequestError(f"prompt has {n} tokens, not below max_seq_len={limit}", field="prompt",
+                               hint="shorten the prompt or raise max_seq_len")  # fmt: skip
+        if n + max_tokens > limit:
+            raise RequestError(
+                f"max_tokens={max_tokens}: prompt ({n} tokens) + max_tokens exceeds max_seq_len={limit}",
+                field="max_tokens",
+                hint=f"use max_tokens <= {limit - n}",
+            )
+        need = self.pages_needed(n, max_tokens)
+        if need > self.kv_pages:
+            scratch = self.scratch_tokens
+            raise RequestError(
+                f"request needs {need * PAGE_SIZE} KV tokens (prompt {n} + max_tokens {max_tokens}"
+                + (f" + DDTree scratch {scratch}" if scratch else "")
+                + f") but the whole cache holds {self.kv_pages * PAGE_SIZE}",
+                field="max_tokens",
+                hint="lower max_tokens or raise kv_cache_config.max_tokens",
+            )
+
+    def _check_sampling(self, params: RequestParams) -> None:
+        """Sampling ranges, min_tokens and seed, stop ids against the vocabulary, stop strings."""
+        try:
+            validate_sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        except ConfigError as exc:
+            raise RequestError(exc.message, field=exc.field, hint=exc.hint) from None
+        for name in ("min_tokens", "seed"):
+            value = getattr(params, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise RequestError(
+                    f"{name}={value!r} must be an integer >= 0", field=name, hint=f"send {name} >= 0"
+                )
+        for i, tok in enumerate(params.stop_token_ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+                raise RequestError(
+                    f"stop_token_ids[{i}]={tok!r}: out of range for vocab_size={self.vocab_size}",
+                    field="stop_token_ids",
+                    hint=f"use token ids in [0, {self.vocab_size})",
+                )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this model has none", field="stop",
+                               hint="use stop_token_ids")  # fmt: skip
+
+    def make_request(self, prompt_ids: list[int], params: RequestParams, *, owner: Any = None) -> Request:
+        """The request as the engine keeps it (checked already, or the warm-up's own)."""
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= {params.end_id} if params.end_id is not None else set(self.eos_token_ids)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        detokenizer = None
+        if self.tokenizer is not None:
+            from dflash_trt.engine.detokenizer import IncrementalDetokenizer
+
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        return Request(
+            request_id=next(self._ids),
+            prompt_ids=[int(t) for t in prompt_ids],
+            max_len=len(prompt_ids) + params.max_tokens,
+            temperature=float(params.temperature),
+            top_k=int(params.top_k),
+            top_p=float(params.top_p),
+            seed=seed & ((1 << 63) - 1),
+            greedy_draft=params.greedy_draft,
+            stop_token_ids=frozenset(stop_ids),
+            stop_strings=tuple(params.stop),
+            min_tokens=params.min_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            reproducible=params.seed is not None and params.temperature > 0,
+            detokenizer=detokenizer,
+            owner=owner,
+        )

@@ -1,0 +1,532 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One DFlash round as a function of explicit inputs: `RoundParts` (the models, their KV caches, the
+pending context, the drafting backend), one `RoundInputs` (the batch, built once from the scheduled
+requests) and a `RoundShape` (draft length, tree budget, sampling flags).
+
+A chain round (`round_chain`), for bs sequences at anchor positions start_i with block length
+B_i <= Bq = g + 1:
+  1. inject the pending context (target features of the previous round's committed tokens) into
+     the draft cache — always, even when this round does not draft, so the draft cache never
+     falls behind;
+  2. draft g tokens per sequence in one block pass (block positions >= B_i hidden, which reproduces a
+     block of size B_i exactly); a DFlash 2 drafter's candidate selector walks its top-k candidates
+     instead of taking each slot's argmax;
+  3. verify [anchor, drafts] with the target in one pass, writing K/V for the B_i valid tokens and
+     keeping the layer taps as the next round's pending context;
+  4. accept on device (greedy or lossless rejection sampling, DFlash 2's with q over the selector's
+     candidates; randomness keyed by position).
+A DDTree round (`round_tree`, tree budget N > 0; spec/tree.py) injects and drafts the same way, then:
+  2b. builds each request's tree of N drafted nodes from the drafter's distributions (depth <= B_i - 1);
+  3.  verifies the N + 1 nodes in one target pass under the ancestor-only mask, their K/V written to
+      the scratch slots of cache columns start .. start + N (the scheduler reserves them);
+  4.  picks the target's token at every node (argmax, or a sample keyed by the node's position) and
+      walks the accepted path;
+  5.  commits: the path's K/V move to the slots of positions start .. start + a (compaction), and the
+      path's layer taps become the next round's pending context.
+The round returns its results stacked in one tensor (`stack`): the host reads back once per round.
+
+Every tensor of a round has a static shape given (bs, g, tree budget, context pages), and the code has
+no host reads, so torch.compile and CUDA graphs take it whole (engine/executor.py). The compiled code
+traces `RoundParts.round` and `RoundParts.prefill`: the models and caches, nothing of the engine.
+Padding rows point at page 0, which no sequence owns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from dflash_trt.layers.kv_cache import PagedKVCache, context_index, slot_mapping
+from dflash_trt.spec.sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_DRAFT,
+    PURPOSE_EMIT,
+    logits_to_probs,
+    sample_from_probs,
+    uniform,
+)
+from dflash_trt.spec.selector import Proposal, propose
+from dflash_trt.spec.tree import (
+    DraftTree,
+    TreeWalk,
+    build_tree,
+    build_tree_host,
+    build_tree_native,
+    commit_slots,
+    gather_path,
+    target_tokens,
+    tree_positions,
+    walk_tree,
+)
+
+if TYPE_CHECKING:
+    from dflash_trt.engine.draft_backend import DraftBackend
+    from dflash_trt.engine.request import Request
+    from dflash_trt.models.decoder import NativeTarget
+    from dflash_trt.models.drafter import DFlashDrafter
+
+
+class RoundInputs(NamedTuple):
+    """A round's batch: one row per request, built once (`build`), padded once for static rounds
+    (engine/executor.py). The request-level extras of the sampling surface (penalties, bias, grammar
+    masks, cached-prefix offsets) belong here as further [bs, ...] tensors. The field order is the
+    compiled round's positional order."""
+
+    anchors: torch.Tensor  # [bs] last emitted token (the block's anchor)
+    starts: torch.Tensor  # [bs] anchor positions (= tokens in the target cache)
+    block_lens: torch.Tensor  # [bs] B_i <= g + 1
+    tables: torch.Tensor  # [bs, W] block tables, padded with page 0
+    num_pending: torch.Tensor  # [bs] valid rows of each request's pending context
+    rows: torch.Tensor  # [bs] each request's row in the per-request buffers (RoundParts.pending_feats)
+    seeds: torch.Tensor  # [bs] int64
+    temps: torch.Tensor  # [bs] float32
+    top_k: torch.Tensor  # [bs]
+    top_p: torch.Tensor  # [bs] float32
+    greedy_draft: torch.Tensor  # [bs] bool: propose argmax drafts
+
+    @classmethod
+    def build(
+        cls, reqs: list[Request], block_lens: list[int], width: int, device: torch.device
+    ) -> RoundInputs:
+        """The scheduled requests' row each, their page tables padded to `width` pages."""
+        return cls(
+            anchors=torch.tensor([s.last_token for s in reqs], device=device),
+            starts=torch.tensor([s.start for s in reqs], device=device),
+            block_lens=torch.tensor(block_lens, device=device),
+            tables=page_tables([s.pages for s in reqs], width, device),
+            num_pending=torch.tensor([s.num_pending for s in reqs], device=device),
+            rows=torch.tensor([s.row for s in reqs], device=device),
+            seeds=torch.tensor([s.seed for s in reqs], device=device),
+            temps=torch.tensor([s.temperature for s in reqs], dtype=torch.float32, device=device),
+            top_k=torch.tensor([s.top_k for s in reqs], device=device),
+            top_p=torch.tensor([s.top_p for s in reqs], dtype=torch.float32, device=device),
+            greedy_draft=torch.tensor([s.greedy_draft or s.temperature == 0 for s in reqs], device=device),
+        )
+
+
+def page_tables(pages: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """Each sequence's pages, cut or padded with page 0 (which no sequence owns) to `width`: the one
+    padding rule of every pass's block tables."""
+    rows = [p[:width] + [0] * (width - min(width, len(p))) for p in pages]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What makes one round's graph differ from another's besides the batch and context sizes."""
+
+    g: int  # drafts per request (block - 1; 0 = plain decoding)
+    budget: int  # DDTree nodes per request (0 = linear)
+    flags: tuple[bool, bool, bool]  # the batch's sampling mode (`round_flags`)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"g": self.g, "flags": self.flags, "budget": self.budget}
+
+
+def round_flags(reqs: list[Request]) -> tuple[bool, bool, bool]:
+    """(all greedy, any greedy, any top-k/top-p): a round's compile-time sampling mode. Three modes
+    only, so that compiled and captured rounds need three variants at most: all-greedy batches take
+    the argmax path; every other batch takes the sampling path, which handles greedy rows exactly
+    (one-hot distributions), with the sorting filter only when a request asks for it."""
+    if all(s.temperature == 0 for s in reqs):
+        return True, True, False
+    return False, True, any(s.needs_filter for s in reqs)
+
+
+@dataclass
+class RoundOutput:
+    accepted: list[int]  # drafts accepted per sequence (before length/stop truncation)
+    emitted: list[int]  # the target's token after the accepted drafts
+    drafts: list[list[int]]  # g tokens per sequence: the proposals (linear), the accepted path's (tree)
+    drafted: list[int]  # draft tokens proposed per sequence (linear: B_i - 1; tree: its drafted nodes)
+    path: list[list[int]]  # node index at depth 0..g along the accepted path (the chain: 0..g)
+    overturned: list[int]  # DFlash 2: valid draft slots whose selector pick is not the drafter's argmax
+    tree_budget: int = 0  # the round's DDTree budget (0 = linear DFlash)
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time per phase, accumulated (seconds). Only synchronised when profiling is on."""
+
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+    round_s: float = 0.0
+    rounds: int = 0
+
+
+class RoundParts:
+    """What a round reads and writes besides its inputs: both models, both paged KV caches, the pending
+    context per request row, the drafting backend, and the round's fixed choices (uniforms and trees
+    from dflash-trt's C++ operators on CPU). `round` and `prefill` are the code the executor runs
+    eagerly, captures or compiles."""
+
+    def __init__(self, target: NativeTarget, drafter: DFlashDrafter | None, backend: DraftBackend, *,
+                 max_batch_size: int, num_pages: int, page_size: int, block_size: int, native_uniform: bool = False,
+                 native_tree: bool = False, profile: bool = False) -> None:  # fmt: skip
+        self.target, self.drafter, self.backend = target, drafter, backend
+        self.device = target.model.embed_tokens.weight.device
+        self.page_size = page_size
+        self.block_size = block_size if drafter is not None else 1  # the longest block a round verifies
+        self.max_batch_size = max_batch_size
+        self.native_uniform, self.native_tree = native_uniform, native_tree
+        self.host_tree_nodes = 0  # eager CPU rounds build trees of up to this many nodes on the host
+        self.profile = profile
+        self.times = PhaseTimes()
+        self.target_cache: PagedKVCache = target.make_cache(num_pages=num_pages, page_size=page_size)
+        self.draft_cache: PagedKVCache | None = None
+        self.tap_layers: list[int] | None = None
+        self.mask_token_id = 0
+        if drafter is not None:
+            self._bind_drafter(drafter, num_pages=num_pages)
+
+    def _bind_drafter(self, drafter: DFlashDrafter, *, num_pages: int) -> None:
+        self.draft_cache = drafter.make_cache(num_pages=num_pages, page_size=self.page_size)
+        head = self.target.lm_head
+        drafter.bind_target(self.target.model.embed_tokens.weight, head.weight if head.packed is None
+                            else head.packed, head.bias)  # fmt: skip
+        self.tap_layers = list(drafter.config.target_layer_ids)
+        self.mask_token_id = drafter.mask_token_id
+        feature_dim = drafter.config.num_target_features * drafter.config.hidden_size
+        # Pending context per request row: target taps of the last round's tokens [rows + 1, B, K*D].
+        # The extra last row belongs to padding rows of static rounds.
+        self.pending_feats = torch.zeros(self.max_batch_size + 1, self.block_size, feature_dim,
+                                         dtype=drafter.fc.weight.dtype, device=self.device)  # fmt: skip
+
+    def round(
+        self,
+        anchors: torch.Tensor,
+        starts: torch.Tensor,
+        block_lens: torch.Tensor,
+        tables: torch.Tensor,
+        num_pending: torch.Tensor,
+        rows: torch.Tensor,
+        seeds: torch.Tensor,
+        temps: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        greedy_draft: torch.Tensor,
+        *,
+        g: int,
+        flags: tuple[bool, bool, bool],
+        budget: int = 0,
+    ) -> torch.Tensor:
+        """One round over the `RoundInputs` these tensors make (its fields, in order) -> `stack`'s
+        [bs, 2g + 5] results."""
+        inputs = RoundInputs(anchors, starts, block_lens, tables, num_pending, rows, seeds, temps, top_k, top_p,
+                             greedy_draft)  # fmt: skip
+        t_draft = self.phase_clock()
+        if self.drafter is not None:
+            inject(self, inputs)
+        if budget > 0 and g > 0:
+            return round_tree(self, inputs, g, flags, budget, t_draft)
+        return round_chain(self, inputs, g, flags, t_draft)
+
+    def prefill(
+        self,
+        ids: torch.Tensor,  # [bs, t] the chunks' tokens, padded
+        pos: torch.Tensor,  # [bs, t] their positions (padding: just past the chunk)
+        valid: torch.Tensor,  # [bs, t] bool: real tokens
+        tables: torch.Tensor,  # [bs, W] block tables
+        seq_lens: torch.Tensor,  # [bs] tokens in the cache after the chunk
+        last: torch.Tensor,  # [bs] index of each chunk's last token
+    ) -> torch.Tensor:
+        """The prompt chunks' pass: writes the target's K/V, injects the chunks' context into the
+        draft cache and returns the logits at each chunk's last token [bs, V]. No data-dependent
+        shapes, so that it compiles (for every chunk length in one graph): padding tokens write their
+        K/V, target and draft, to slot 0 of the padding page, which no sequence reads."""
+        cap = tables.shape[1] * self.page_size - 1
+        kv_slots = torch.where(valid, slot_mapping(tables, pos.clamp(max=cap), self.page_size), 0)
+        logits, taps = self.target(ids, pos, seq_lens, self.target_cache, kv_slots,
+                                   context_index(tables, self.page_size), tap_layers=self.tap_layers,
+                                   logits_index=last)  # fmt: skip
+        if self.drafter is not None and taps is not None:
+            assert self.draft_cache is not None
+            self.backend.drafting.inject_context(self.draft_cache, taps.flatten(0, 1), pos.flatten(),
+                                                 kv_slots.flatten())  # fmt: skip
+        return logits
+
+    def phase_clock(self) -> float:
+        """A phase boundary inside the round: with profiling, synchronise and read the clock; without
+        it, nothing (so the round stays free of host calls for CUDA graphs and torch.compile)."""
+        if not self.profile:
+            return 0.0
+        self.sync()
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.profile and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(self.device)
+
+    def add_phases(self, t_draft: float, t_verify: float, t_accept: float) -> None:
+        if self.profile:
+            t_end = self.phase_clock()
+            self.times.draft_s += t_verify - t_draft
+            self.times.verify_s += t_accept - t_verify
+            self.times.accept_s += t_end - t_accept
+
+
+@dataclass
+class _Sampling:
+    """A round's per-request sampling tensors ([bs] each) and the batch's static flags."""
+
+    inputs: RoundInputs
+    flags: tuple[bool, bool, bool]  # (all greedy, any greedy, any top-k/top-p filter)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.flags[0]
+
+    def probs(self, logits: torch.Tensor, *, per_row: int) -> torch.Tensor:
+        """logits [bs * per_row, V] -> processed probabilities (each request's row repeated)."""
+        _, any_greedy, needs_filter = self.flags
+        x = self.inputs
+        return logits_to_probs(logits, x.temps.repeat_interleave(per_row), x.top_k.repeat_interleave(per_row),
+                               x.top_p.repeat_interleave(per_row), needs_filter=needs_filter,
+                               any_greedy=any_greedy)  # fmt: skip
+
+
+@dataclass
+class _Drafted:
+    """A round's drafts and what acceptance needs to judge them."""
+
+    tokens: torch.Tensor  # [bs, g]
+    q: torch.Tensor | None = None  # [bs, g, V] the draft distribution (v1, sampling batches)
+    proposal: Proposal | None = None  # DFlash 2: q over each slot's candidates, the overturned picks
+
+
+class _Block(NamedTuple):
+    """Where the round's block sits in each sequence's cache."""
+
+    pos: torch.Tensor  # [bs, Bq] positions start .. start + g
+    ctx_idx: torch.Tensor  # [bs, W * P] the context's cache slots
+    cap: int  # last cache column the tables cover
+
+
+def _block(p: RoundParts, x: RoundInputs, g: int) -> _Block:
+    pos = x.starts[:, None] + torch.arange(g + 1, device=x.anchors.device)
+    return _Block(pos, context_index(x.tables, p.page_size), x.tables.shape[1] * p.page_size - 1)
+
+
+def round_chain(
+    p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool], t_draft: float
+) -> torch.Tensor:
+    """Linear DFlash (or plain decoding, g = 0): draft the chain, verify it, accept a prefix."""
+    blk, sampling = _block(p, x, g), _Sampling(x, flags)
+    bs, dev = x.anchors.shape[0], x.anchors.device
+    drafted = _Drafted(torch.zeros(bs, g, dtype=torch.long, device=dev))
+    d_valid = torch.arange(1, g + 1, device=dev)[None, :] < x.block_lens[:, None]  # [bs, g] real slots
+    overturned = torch.zeros(bs, dtype=torch.long, device=dev)
+    if p.drafter is not None and g > 0:
+        drafted = _draft(p, x, blk, sampling)
+        if drafted.proposal is not None:
+            overturned = (drafted.proposal.overturned & d_valid).sum(dim=1)
+    t_verify = p.phase_clock()
+    logits = _verify(p, x, drafted.tokens, blk)
+    t_accept = p.phase_clock()
+    acc, emit = _accept(p, drafted, logits, blk, d_valid, sampling)
+    p.add_phases(t_draft, t_verify, t_accept)
+    chain = torch.arange(g + 1, device=dev).expand(bs, g + 1)  # node j sits at depth j
+    return stack(acc, emit, x.block_lens - 1, overturned, drafted.tokens, chain)
+
+
+def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool], budget: int,
+               t_draft: float) -> torch.Tensor:  # fmt: skip
+    """DDTree: draft, build each request's tree of `budget` nodes, verify it, walk it, commit."""
+    blk = _block(p, x, g)
+    d_logits = _draft_logits(p, x, blk)  # [bs, g, V]
+    if p.native_tree:
+        build = build_tree_native
+    else:
+        build = build_tree_host if x.anchors.shape[0] * budget <= p.host_tree_nodes else build_tree
+    tree = build(d_logits, x.anchors, budget=budget, max_depth=x.block_lens - 1)
+    t_verify = p.phase_clock()
+    logits, taps, node_slots = _verify_tree(p, tree, x, blk)
+    t_accept = p.phase_clock()
+    walk = _accept_tree(p, tree, logits, x, flags, g)
+    _commit_tree(p, walk, node_slots, taps, x, blk.cap)
+    p.add_phases(t_draft, t_verify, t_accept)
+    drafted = tree.valid.sum(dim=1) - 1  # [bs] real nodes below the root
+    none = torch.zeros_like(drafted)  # trees are never built from a DFlash 2 selector (refused)
+    return stack(walk.accepted, walk.emitted, drafted, none, walk.path_tokens, walk.path_nodes)
+
+
+def inject(p: RoundParts, x: RoundInputs) -> None:
+    """KV injection: the previous round's committed tokens (their target taps, kept in pending_feats)
+    become draft-cache context. Rows >= num_pending go to the padding page."""
+    assert p.draft_cache is not None
+    cap = x.tables.shape[1] * p.page_size - 1
+    bs, w = x.starts.shape[0], p.pending_feats.shape[1]
+    r = torch.arange(w, device=x.starts.device)
+    ctx_pos = x.starts[:, None] - x.num_pending[:, None] + r  # [bs, w]
+    ctx_ok = r[None, :] < x.num_pending[:, None]
+    ctx_slots = torch.where(ctx_ok, slot_mapping(x.tables, ctx_pos.clamp(0, cap), p.page_size), 0)
+    feats = p.pending_feats[x.rows]  # [bs, w, K*D]
+    p.backend.drafting.inject_context(p.draft_cache, feats.reshape(bs * w, -1), ctx_pos.clamp(min=0).reshape(-1),
+                                      ctx_slots.reshape(-1))  # fmt: skip
+
+
+def _draft_hidden(p: RoundParts, x: RoundInputs, blk: _Block) -> torch.Tensor:
+    """One non-causal block pass over [anchor, g masks] -> the final hidden states [bs, g, D] of
+    depths 1..g."""
+    assert p.draft_cache is not None and p.drafter is not None
+    bs, bq = blk.pos.shape
+    masks = torch.full((bs, bq - 1), p.mask_token_id, dtype=torch.long, device=x.anchors.device)
+    block = torch.cat([x.anchors[:, None], masks], dim=1)  # [bs, Bq]: the anchor, then g mask tokens
+    ctx_lens = blk.pos[:, 0].contiguous()  # the anchors' positions; kernels index it flat
+    hidden = p.backend.drafting.forward_block(p.draft_cache, p.drafter.embed_block(block), blk.pos, blk.ctx_idx,
+                                              ctx_lens, x.block_lens)  # fmt: skip
+    # A copy, not a view of rows 1.. (a view's reshape would depend on whether bs is 1).
+    return hidden[:, 1:].clone(memory_format=torch.contiguous_format)
+
+
+def _draft_logits(p: RoundParts, x: RoundInputs, blk: _Block) -> torch.Tensor:
+    """The drafter's logits [bs, g, V] for depths 1..g (raw: no temperature)."""
+    assert p.drafter is not None
+    return p.drafter.compute_logits(_draft_hidden(p, x, blk))
+
+
+def _draft(p: RoundParts, x: RoundInputs, blk: _Block, sampling: _Sampling) -> _Drafted:
+    """One non-causal block pass proposes g drafts per sequence (drafts [bs, g]; q [bs, g, V], None
+    when every request is greedy). A DFlash 2 drafter's selector proposes instead (`select`)."""
+    assert p.drafter is not None
+    bs, bq = blk.pos.shape
+    g = bq - 1
+    slots = _draft_hidden(p, x, blk)  # [bs, g, D]
+    d_logits = p.drafter.compute_logits(slots)  # [bs, g, V]
+    if p.drafter.selector is not None:
+        return select(p, x, blk, slots, d_logits, sampling)
+    argmax = d_logits.argmax(dim=-1)
+    if sampling.all_greedy:
+        return _Drafted(argmax)
+    vocab = d_logits.shape[-1]
+    q_probs = sampling.probs(d_logits.reshape(bs * g, vocab), per_row=g).reshape(bs, g, vocab)
+    u = uniform(x.seeds, blk.pos[:, 1:], PURPOSE_DRAFT, native=p.native_uniform)
+    sampled = sample_from_probs(q_probs.reshape(bs * g, vocab), u.reshape(-1)).reshape(bs, g)
+    greedy = x.greedy_draft
+    drafts = torch.where(greedy[:, None], argmax, sampled)
+    one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
+    return _Drafted(drafts, q=torch.where(greedy[:, None, None], one_hot, q_probs))
+
+
+def select(p: RoundParts, x: RoundInputs, blk: _Block, hidden: torch.Tensor, logits: torch.Tensor,
+           sampling: _Sampling) -> _Drafted:  # fmt: skip
+    """DFlash 2: the selector's walk over each slot's top-k candidates (hidden [bs, g, D], logits
+    [bs, g, V]) proposes the drafts. Greedy rows (T = 0 or greedy drafts) take the best score, sampled
+    rows draw from softmax(score / T) with the slot's PURPOSE_DRAFT uniform: exactly the reference
+    loop's rule, batched."""
+    assert p.drafter is not None and p.drafter.selector is not None
+    if sampling.all_greedy:  # no draws: skip hashing the uniforms
+        u = torch.zeros(blk.pos.shape[0], blk.pos.shape[1] - 1, device=blk.pos.device)
+    else:
+        u = uniform(x.seeds, blk.pos[:, 1:], PURPOSE_DRAFT, native=p.native_uniform)
+    proposal = propose(
+        hidden=hidden, logits=logits, anchors=x.anchors, selector=p.drafter.selector, temperature=x.temps,
+        greedy=x.greedy_draft, u=u, any_sampled=not sampling.all_greedy, walk=p.backend.walk,
+    )  # fmt: skip
+    return _Drafted(proposal.drafts, proposal=proposal)
+
+
+def _verify(p: RoundParts, x: RoundInputs, drafts: torch.Tensor, blk: _Block) -> torch.Tensor:
+    """One target pass over [anchor, drafts] writes the B_i valid tokens' K/V and keeps the layer
+    taps as the next round's pending context -> logits [bs, Bq, V]."""
+    bq = blk.pos.shape[1]
+    tokens = torch.cat([x.anchors[:, None], drafts], dim=1)  # [bs, Bq]
+    blk_valid = torch.arange(bq, device=x.anchors.device)[None, :] < x.block_lens[:, None]  # [bs, Bq]
+    kv_slots = torch.where(blk_valid, slot_mapping(x.tables, blk.pos.clamp(max=blk.cap), p.page_size), 0)
+    logits, taps = p.target(tokens, blk.pos, x.starts + x.block_lens, p.target_cache, kv_slots, blk.ctx_idx,
+                            tap_layers=p.tap_layers, paged=True)  # fmt: skip
+    _keep_pending(p, taps, x.rows)  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
+    return logits
+
+
+def _keep_pending(p: RoundParts, taps: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """taps [bs, n, K*D] of the round's committed positions (anchor first) -> the requests' rows of
+    pending_feats, injected into the draft cache next round (rows beyond the committed count are
+    never read: num_pending says how many are)."""
+    if taps is not None:
+        # One index_put_ over (row, column), not a copy into the slice pending_feats[:, :n]: inductor
+        # in torch 2.11 cannot match that slice's size against the taps' (the round failed to compile).
+        cols = torch.arange(taps.shape[1], device=taps.device)
+        p.pending_feats.index_put_((rows[:, None], cols[None, :]), taps.to(p.pending_feats.dtype))
+
+
+def _verify_tree(p: RoundParts, tree: DraftTree, x: RoundInputs,
+                 blk: _Block) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """One target pass over every tree's N nodes under the ancestor-only mask (past context fully
+    visible). Node i's K/V goes to the scratch slot of cache column start + i. Returns logits
+    [bs, N, V], layer taps [bs, N, K*D] (or None) and the nodes' slots [bs, N]."""
+    n1 = tree.tokens.shape[1]
+    cols = x.starts[:, None] + torch.arange(n1, device=x.starts.device)  # [bs, N]
+    node_slots = slot_mapping(x.tables, cols.clamp(max=blk.cap), p.page_size)
+    logits, taps = p.target(tree.tokens, tree_positions(x.starts, tree), x.starts + n1, p.target_cache, node_slots,
+                            blk.ctx_idx, tap_layers=p.tap_layers, block_mask=tree.visibility, paged=True)  # fmt: skip
+    return logits, taps, node_slots
+
+
+def _accept_tree(p: RoundParts, tree: DraftTree, logits: torch.Tensor, x: RoundInputs,
+                 flags: tuple[bool, bool, bool], g: int) -> TreeWalk:  # fmt: skip
+    """The target's own token at every node (argmax, or a sample with the uniform of the position
+    it fills), then the walk from the root along those choices."""
+    all_greedy, any_greedy, needs_filter = flags
+    chosen = target_tokens(
+        logits, tree, x.starts, x.seeds, x.temps, x.top_k, x.top_p,
+        all_greedy=all_greedy, any_greedy=any_greedy, needs_filter=needs_filter, native=p.native_uniform,
+    )  # fmt: skip
+    return walk_tree(tree, chosen, max_depth=g)
+
+
+def _commit_tree(p: RoundParts, walk: TreeWalk, node_slots: torch.Tensor, taps: torch.Tensor | None,
+                 x: RoundInputs, cap: int) -> None:  # fmt: skip
+    """Compaction: the accepted path's K/V move from their scratch slots to the slots of positions
+    start .. start + a; the path's taps become the pending context (as the chain's would)."""
+    g1 = walk.path_nodes.shape[1]
+    cols = x.starts[:, None] + torch.arange(g1, device=x.starts.device)
+    dest = slot_mapping(x.tables, cols.clamp(max=cap), p.page_size)  # [bs, g + 1]
+    src, dst = commit_slots(walk, node_slots, dest)
+    p.target_cache.copy_slots(src.reshape(-1), dst.reshape(-1))
+    if taps is not None:
+        _keep_pending(p, gather_path(taps, walk.path_nodes), x.rows)
+
+
+def _accept(p: RoundParts, drafted: _Drafted, logits: torch.Tensor, blk: _Block, d_valid: torch.Tensor,
+            sampling: _Sampling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Greedy or lossless rejection sampling (d_valid [bs, g]: slots inside each block; DFlash 2: q
+    over the selector's candidates) -> (accepted drafts [bs], emitted token [bs])."""
+    bs, bq, vocab = logits.shape
+    g, drafts, backend = bq - 1, drafted.tokens, p.backend
+    if sampling.all_greedy:
+        return backend.greedy_accept(drafts, logits, d_valid)
+    seeds = sampling.inputs.seeds
+    probs = sampling.probs(logits.reshape(bs * bq, vocab), per_row=bq).reshape(bs, bq, vocab)
+    u_accept = uniform(seeds, blk.pos[:, 1:], PURPOSE_ACCEPT, native=p.native_uniform)  # [bs, g]
+    u_emit = uniform(seeds, blk.pos + 1, PURPOSE_EMIT, native=p.native_uniform)  # [bs, g + 1]
+    if drafted.proposal is not None:
+        cands, cand_q = drafted.proposal.candidates, drafted.proposal.cand_probs  # [bs, g, K] each
+        return backend.candidate_accept(drafts, cands, cand_q, probs, u_accept, u_emit, d_valid)
+    q_probs = drafted.q if drafted.q is not None else probs.new_zeros(bs, g, vocab)
+    return backend.rejection_accept(drafts, q_probs, probs, u_accept, u_emit, d_valid)
+
+
+def stack(accepted: torch.Tensor, emitted: torch.Tensor, drafted: torch.Tensor, overturned: torch.Tensor,
+          drafts: torch.Tensor, path: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """[bs] x 4, drafts [bs, g], path [bs, g + 1] -> [bs, 2g + 5] long: one tensor, one read-back."""
+    columns = (accepted[:, None], emitted[:, None], drafted[:, None], overturned[:, None], drafts, path)
+    return torch.cat([c.long() for c in columns], dim=1)
+
+
+def unstack(rows: list[list[int]], g: int, budget: int) -> RoundOutput:
+    """`stack`'s rows (read back as lists) -> RoundOutput."""
+    return RoundOutput(
+        accepted=[r[0] for r in rows],
+        emitted=[r[1] for r in rows],
+        drafted=[r[2] for r in rows],
+        overturned=[r[3] for r in rows],
+        drafts=[r[4 : 4 + g] for r in rows],
+        path=[r[4 + g :] for r in rows],
+        tree_budget=budget,
+    )
