@@ -132,6 +132,13 @@ def _prefilled(engine: Any, prompts: list[list[int]], temperature: float) -> lis
     return reqs
 
 
+def _shape(batch: list[Any]) -> Any:
+    """The round every timed call runs: G drafts per request, linear, the batch's sampling flags."""
+    from dflash_trt.engine.round import RoundShape, round_flags
+
+    return RoundShape(G, 0, round_flags(batch))
+
+
 def time_rounds(drafters: dict[str, Path], *, bs: int, context: int, rounds: int, temperature: float,
                 compile: bool) -> dict[str, Any]:  # fmt: skip
     """Median ms per round of each drafter on the same batch at the same state, alternating."""
@@ -141,9 +148,9 @@ def time_rounds(drafters: dict[str, Path], *, bs: int, context: int, rounds: int
     batches = {name: _prefilled(e, prompts, temperature) for name, e in engines.items()}
     for name, e in engines.items():  # warm-up (and compilation): not timed
         for _ in range(3):
-            e.runner.decode_round(batches[name], G)
+            e.runner.decode_round(batches[name], _shape(batches[name]))
         if compile:
-            e.runner.freeze_compiled()
+            e.executor.freeze()
     names = list(drafters)
     times: dict[str, list[float]] = {n: [] for n in names}
     before = {n: dict(vars(engines[n].runner.times)) for n in names}
@@ -151,7 +158,7 @@ def time_rounds(drafters: dict[str, Path], *, bs: int, context: int, rounds: int
     for trial in range(rounds):
         for name in names if trial % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
-            out = engines[name].runner.decode_round(batches[name], G)
+            out = engines[name].runner.decode_round(batches[name], _shape(batches[name]))
             times[name].append(1e3 * (time.perf_counter() - t0))
             overturned[name] += sum(out.overturned)
     result: dict[str, Any] = {

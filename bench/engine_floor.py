@@ -309,9 +309,9 @@ def run_ours(
         else:  # float32: wide models keep bf16-valued weights as bf16 for our AVX2 kernel
             gemm = "dflash_trt fp32 on bf16 weights" if packed else "torch (float32)"
     startup = time.perf_counter() - t0
-    runner = llm.engine.runner
+    executor = llm.engine.executor
     info = {"engine": "dflash_trt", "label": label, "compile_argument": compile, "startup_s": startup}
-    info |= {"dtype": str(llm.dtype).removeprefix("torch."), "compiled": runner.compiled, "gemm": gemm}
+    info |= {"dtype": str(llm.dtype).removeprefix("torch."), "compiled": executor.compiled, "gemm": gemm}
     info["weights_dtype"] = "bfloat16" if bf16 or packed else info["dtype"]  # what a step streams
     info |= {"cpu_threads": llm.cpu_threads}
     _log(f"ours ({label}): loaded in {startup:.1f} s, dtype {info['dtype']}, compiled {info['compiled']}")
@@ -334,7 +334,7 @@ def run_ours(
                 first = ids[0]
             raw.append({"batch": batch, "tokens": tokens, "seconds": seconds, "first_ids": first})
             _log(f"ours ({label}) batch {batch}: {tokens[-1]} tokens in {seconds[-1]:.2f} s")
-        info["compiled_after"] = runner.compiled  # a failed compile falls back to eager
+        info["compiled_after"] = executor.compiled  # a failed compile falls back to eager
     finally:
         llm.shutdown()
     return {**info, "raw": raw}

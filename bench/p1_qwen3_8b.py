@@ -134,11 +134,11 @@ def _timed_rounds(llm: Any, prompts: list[list[int]], max_tokens: int, device: s
     log: list[tuple[int, float]] = []
     real = runner.decode_round
 
-    def timed(reqs: Any, draft_len: int, *rest: Any) -> Any:
+    def timed(reqs: Any, shape: Any) -> Any:
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = real(reqs, draft_len, *rest)  # ends in the host read-back: the round is complete
+        out = real(reqs, shape)  # ends in the host read-back: the round is complete
         log.append((len(reqs), time.perf_counter() - t0))
         return out
 
@@ -230,16 +230,16 @@ def _compiled_dflash(
     with _greedy_batch_warm_up():
         llm = _llm(args, tdir, max_seq_len, drafter=(ddir, shape), compile=True)
     ready_s = time.perf_counter() - t0
-    runner = llm.engine.runner
+    executor = llm.engine.executor
     out = _timed_rounds(llm, prompts, args.max_tokens, args.device)
     out["ready_s"] = ready_s
-    out["compiled"] = runner.rounds is not None
-    graphs = list(runner._graphs.values())
+    out["compiled"] = executor.compiled
+    graphs = list(executor._graphs.values())
     out["graphs_compiled"] = sum(1 for g in graphs if getattr(g, "compiled_fn", None) is not None)
     out["graphs"] = len(graphs)
     print(f"dflash round, compiled {json.dumps(out)}", flush=True)
     llm.shutdown()
-    del llm, runner, graphs
+    del llm, executor, graphs
     _collect(args.device)
     return out
 

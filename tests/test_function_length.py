@@ -62,7 +62,11 @@ def test_no_private_method_of_an_engine_class_is_called_from_another_module():
             continue
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             for fn in cls.body:
-                if isinstance(fn, ast.FunctionDef) and fn.name.startswith("_") and not fn.name.startswith("__"):
+                if (
+                    isinstance(fn, ast.FunctionDef)
+                    and fn.name.startswith("_")
+                    and not fn.name.startswith("__")
+                ):
                     private.setdefault(fn.name, set()).add(path)
     calls = []
     for path, tree in trees.items():

@@ -125,16 +125,16 @@ def run_engine(
         max_seq_len=128,
         use_plugins=use_plugins,
     )
-    runner = llm.engine.runner
+    engine, runner = llm.engine, llm.engine.runner
     if static_rounds:  # padded static buffers: what a CUDA graph captures
-        runner.static_rounds = True
-        runner.graph_batch_sizes = (3, max_batch_size)
+        engine.executor.static_rounds = True
+        engine.executor.graph_batch_sizes = (3, max_batch_size)
     if rounds is not None:
         decode_round = runner.decode_round
 
-        def recording(seqs: list, draft_len: int, tree_budget: int = 0):
-            block_lens = [min(draft_len + 1, s.max_len - s.start) for s in seqs]
-            out = decode_round(seqs, draft_len, tree_budget)
+        def recording(seqs: list, shape):
+            block_lens = [min(shape.g + 1, s.max_len - s.start) for s in seqs]
+            out = decode_round(seqs, shape)
             for s, a, e, d, b in zip(seqs, out.accepted, out.emitted, out.drafts, block_lens):
                 rounds.setdefault(s.request_id, []).append((a, e, d[: b - 1]))
             return out
@@ -147,7 +147,7 @@ def run_engine(
     finally:
         llm.shutdown()
     assert isinstance(outs, list)
-    return [o.outputs[0].token_ids for o in outs], (runner, outs)
+    return [o.outputs[0].token_ids for o in outs], (engine, outs)
 
 
 @pytest.fixture(autouse=True)

@@ -185,9 +185,11 @@ def test_engine_with_kernels_is_lossless_on_device(plugin_pair, dtype):
     for use_plugins in (True, False):
         with LLM(str(tdir), speculative_config=spec, device="cuda", dtype=dtype, max_batch_size=8,
                  max_seq_len=128, use_plugins=use_plugins) as llm:  # fmt: skip
-            runner = llm.engine.runner
-            assert (runner.plugins is not None) == use_plugins, "the device self-check disabled the plugin"
+            executor = llm.engine.executor
+            assert llm.engine.parts.backend.plugins == use_plugins, (
+                "the device self-check disabled the plugin"
+            )
             res = llm.generate([p for p, _ in jobs], [SamplingParams(max_tokens=m) for _, m in jobs])
             outs.append([r.outputs[0].token_ids for r in res])
-            assert runner._graphs and not runner._graph_failed
+            assert executor._graphs and not executor._graph_failed
     assert outs[0] == outs[1]

@@ -197,9 +197,10 @@ def test_engine_with_plugins_equals_engine_without(plugin_pair):
     references; eager and static padded rounds) and off; greedy ones equal the batch-1 reference loop."""
     pair = plugin_pair("plain")
     jobs = _sampled_jobs(8, seed=1)
-    on, (runner, outs) = run_engine(pair, jobs, use_plugins=True)
-    assert isinstance(runner.plugins, DrafterPlugins)
-    assert runner._greedy_accept is greedy_accept and runner._rejection_accept is rejection_accept
+    on, (engine, outs) = run_engine(pair, jobs, use_plugins=True)
+    backend = engine.parts.backend
+    assert isinstance(backend.drafting, DrafterPlugins)
+    assert backend.greedy_accept is greedy_accept and backend.rejection_accept is rejection_accept
     on_static, _ = run_engine(pair, jobs, use_plugins=True, static_rounds=True)
     off, _ = run_engine(pair, jobs, use_plugins=False)
     assert on == off and on_static == off
@@ -227,8 +228,9 @@ def test_plugins_default_off_on_cpu(plugin_pair):
 
     assert EngineConfig().use_plugins is None
     assert not default_enabled(torch.device("cpu"))
-    _, (runner, _) = run_engine(plugin_pair("plain"), [([1, 2], 3)], use_plugins=None)  # type: ignore[arg-type]
-    assert runner.plugins is None and runner._greedy_accept is verify.greedy_accept
+    _, (engine, _) = run_engine(plugin_pair("plain"), [([1, 2], 3)], use_plugins=None)  # type: ignore[arg-type]
+    backend = engine.parts.backend
+    assert not backend.plugins and backend.greedy_accept is verify.greedy_accept
 
 
 # --- the device self-check -------------------------------------------------------------------------
