@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# Copied verbatim into model repositories as dflash_trt_llmapi/; edit dflash_trt/triton/llmapi/, never a copy.
 """The parts of our Triton model (`dflash_trt/triton/templates/model.py`), which composes them:
 
   wire.py       the llmapi wire: input tensors -> a request, outputs -> responses, errors with their trailer

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# Copied into each model repository (dflash_trt/triton/repository.py); edit it here.
+# Copied verbatim into model repositories as dflash_trt_llmapi/; edit dflash_trt/triton/llmapi/, never a copy.
 """The llmapi wire: TensorRT-LLM's input tensors in, responses and error responses out.
 
 Names and types are NVIDIA's llmapi contract (dflash_trt/triton/repository.py lists the ports). The

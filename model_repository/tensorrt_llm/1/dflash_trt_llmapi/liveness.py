@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# Copied into each model repository (dflash_trt/triton/repository.py); edit it here.
+# Copied verbatim into model repositories as dflash_trt_llmapi/; edit dflash_trt/triton/llmapi/, never a copy.
 """What the model tells its supervisor (serve, the chart's probes) through $DFLASH_TRT_CONTROL_DIR.
 
 Engine liveness: with $DFLASH_TRT_CONTROL_DIR set, the model's event loop touches `heartbeat` there

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# Copied into each model repository (dflash_trt/triton/repository.py); edit it here.
+# Copied verbatim into model repositories as dflash_trt_llmapi/; edit dflash_trt/triton/llmapi/, never a copy.
 """The dflash_* metrics the model exports through Triton's metrics endpoint, and what feeds them.
 
 Two sources: each request's outputs on the response path (acceptance lengths, tokens, latencies as

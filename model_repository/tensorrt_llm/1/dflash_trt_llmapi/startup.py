@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# Copied into each model repository (dflash_trt/triton/repository.py); edit it here.
+# Copied verbatim into model repositories as dflash_trt_llmapi/; edit dflash_trt/triton/llmapi/, never a copy.
 """What the model reads and opens once, when the stub loads it: model.yaml, the engine, the stub's
 locale and logging.
 

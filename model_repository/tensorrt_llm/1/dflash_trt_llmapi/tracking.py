@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# Copied into each model repository (dflash_trt/triton/repository.py); edit it here.
+# Copied verbatim into model repositories as dflash_trt_llmapi/; edit dflash_trt/triton/llmapi/, never a copy.
 """The requests in flight in the model, and how each one ends.
 
 Every request the engine accepted is tracked from submission to its last response, under its
