@@ -4,7 +4,7 @@
 `dflash_trt.LLM` implements `ServingLLM` as it is. TensorRT-LLM's `LLM` has the request half
 (`generate_async`, `shutdown`) with the same output shapes; the Triton model adapts the rest
 (liveness, counters) and TensorRT-LLM's loop rule in one small class (`TensorRTLLM` in
-triton/templates/model.py), which the contract test drives through a stand-in.
+triton/llmapi/startup.py), which the contract test drives through a stand-in.
 
 Contract:
 - `generate_async` may be called on any thread. It tokenizes and validates: a bad request raises

@@ -66,7 +66,7 @@ def decode_first_typed(datatype: str, contents: Any) -> Any:
     return values[0] if values else None
 
 
-# The trailer our Triton model ends every error message with (templates/model.py, ERROR_TRAILER):
+# The trailer our Triton model ends every error message with (llmapi/wire.py, ERROR_TRAILER):
 # "... (error: INVALID_ARG, field: max_tokens)". The kind is the TritonError code the model sent;
 # gRPC stream errors carry no code, and Triton's HTTP front answers every model error with 400.
 _ERROR_TRAILER = re.compile(r" \(error: ([A-Z_]+)(?:, field: ([^()]+))?\)$")

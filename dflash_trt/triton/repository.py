@@ -3,6 +3,8 @@
 
   <repo>/tensorrt_llm/config.pbtxt   python backend, KIND_CPU, the llmapi inputs/outputs
   <repo>/tensorrt_llm/1/model.py     dflash_trt/triton/templates/model.py, verbatim
+  <repo>/tensorrt_llm/1/dflash_trt_llmapi/
+                                     the model's parts: the package dflash_trt/triton/llmapi/, verbatim
   <repo>/tensorrt_llm/1/model.yaml   LLM-API kwargs + triton_config
 
 Input and output names are NVIDIA's (so its clients work unchanged) plus a few dflash-trt
@@ -163,8 +165,23 @@ def _check_no_none(value: Any, path: str) -> None:
             _check_no_none(v, f"{path}[{i}]")
 
 
+# model.py imports its parts under this name, from the copy next to it: the Python backend puts the
+# model's directory on sys.path, and the serving image need not have dflash-trt (NGC's TensorRT-LLM image).
+PARTS_PACKAGE = "dflash_trt_llmapi"
+
+
 def model_py_source() -> str:
     return resources.files("dflash_trt.triton").joinpath("templates/model.py").read_text()
+
+
+def model_parts_sources() -> dict[str, str]:
+    """{file name: source} of the package dflash_trt/triton/llmapi/, which model.py composes."""
+    package = resources.files("dflash_trt.triton.llmapi")
+    return {
+        entry.name: entry.read_text()
+        for entry in sorted(package.iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".py")
+    }
 
 
 def render_repository(
@@ -182,6 +199,7 @@ def render_repository(
             model_name=model_name, instance_count=instance_count
         ),
         f"{model_name}/1/model.py": model_py_source(),
+        **{f"{model_name}/1/{PARTS_PACKAGE}/{name}": text for name, text in model_parts_sources().items()},
         f"{model_name}/1/model.yaml": render_model_yaml(llm_args, triton_config),
     }
     for rel, text in files.items():

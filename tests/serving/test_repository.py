@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.errors import ConfigError
-from dflash_trt.triton.repository import INPUTS, OUTPUTS, render_config_pbtxt, render_model_yaml
+from dflash_trt.triton.repository import (
+    INPUTS,
+    OUTPUTS,
+    PARTS_PACKAGE,
+    render_config_pbtxt,
+    render_model_yaml,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 NVIDIA_INPUTS = {"text_input", "streaming", "sampling_param_temperature", "sampling_param_top_k",
@@ -44,6 +50,19 @@ def test_checked_in_model_repository_matches_the_renderer(tiny_bundle, update_go
             "`.venv/bin/pytest tests/serving/test_repository.py --update-goldens` and review the diff"
         )
     assert not cmp.left_only and not cmp.right_only
+
+
+def test_checked_in_model_repository_carries_the_models_parts(tiny_bundle):
+    """model.py's parts (dflash_trt/triton/llmapi/, copied next to it) are held to the renderer too."""
+    rendered = tiny_bundle / "model_repository/tensorrt_llm/1" / PARTS_PACKAGE
+    checked_in = ROOT / "model_repository/tensorrt_llm/1" / PARTS_PACKAGE
+    names = sorted(p.name for p in rendered.glob("*.py"))
+    assert names and names == sorted(p.name for p in checked_in.glob("*.py"))
+    for name in names:
+        assert (checked_in / name).read_text() == (rendered / name).read_text(), (
+            f"model_repository/tensorrt_llm/1/{PARTS_PACKAGE}/{name} drifted from the renderer: run "
+            "`.venv/bin/pytest tests/serving/test_repository.py --update-goldens` and review the diff"
+        )
 
 
 def test_rendering_is_strict():
