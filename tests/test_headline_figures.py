@@ -123,3 +123,59 @@ def test_every_performance_figure_names_its_machine_date_and_results(path: Path)
         if FIGURE.search(par) and not (DATE.search(par) and MACHINE.search(par) and RESULTS.search(par))
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_readme_and_make_demo_define_the_batch_1_speedup_in_the_same_words() -> None:
+    from dflash_trt.demo import HELDOUT_SPEEDUP
+
+    assert HELDOUT_SPEEDUP in " ".join(README.read_text().split())
+
+
+def test_demo_figures_pool_total_tokens_over_total_time() -> None:
+    from dflash_trt.demo import heldout_figures
+
+    runs = {
+        "plain": [([1] * 128, 1.0, 127, 127), ([2] * 128, 3.0, 127, 127)],
+        "DFlash": [([1] * 128, 0.5, 8, 127), ([2] * 128, 1.5, 56, 127)],  # the prefill made each first token
+    }
+    figs = heldout_figures(runs)
+    assert figs["demo_speedup"]["value"] == pytest.approx(4.0 / 2.0)  # not the mean of per-prompt ratios
+    assert figs["demo_tau_pooled"]["value"] == pytest.approx(254 / 64)
+    assert figs["demo_plain_tok_s"]["value"] == pytest.approx(64.0)
+
+
+def test_a_recorded_run_yields_rows_the_check_accepts(tmp_path: Path) -> None:
+    from dflash_trt.utils.figures import write_figures
+
+    out = tmp_path / "bench" / "results" / "readme-figures-x"
+    write_figures(out, {"a": {"label": "A", "value": 2.345, "unit": "x", "definition": "d"}}, versions={})
+    record = json.loads(
+        write_figures(out, {"b": {"label": "B", "value": 843.2, "unit": "tok/s"}}, versions={}).read_text()
+    )
+    assert set(record["figures"]) == {"a", "b"} and record["machine"]["cores"]
+    rows = [table_row(k, f, record, "bench/results/readme-figures-x/") for k, f in record["figures"].items()]
+    text = "<!-- headline-figures:begin -->\n" + "\n".join(rows) + "\n<!-- headline-figures:end -->\n"
+    assert check_headline_figures(text, tmp_path) == []
+    assert "2.35x" in rows[0] and "843 tok/s" in rows[1]
+
+
+def test_the_remeasurement_script_reads_the_recorded_runs_as_the_readme_rows_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_figures", REPO / "bench" / "readme_figures.py")
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    served = script.served_figures(REPO / "bench" / "results" / "tiny-cpu")
+    recorded = json.loads((REPO / "bench" / "results" / "tiny-cpu" / "figures.json").read_text())["figures"]
+    assert {k: f["value"] for k, f in served.items()} == {k: f["value"] for k, f in recorded.items()}
+    v1 = script.llamacpp_figures(REPO / "bench" / "results" / "llamacpp-cpu-2026-11-28e" / "summary.json")
+    recorded = json.loads(
+        (REPO / "bench" / "results" / "llamacpp-cpu-2026-11-28e" / "figures.json").read_text()
+    )
+    assert {k: f["value"] for k, f in v1.items()} == {k: f["value"] for k, f in recorded["figures"].items()}
+    script.print_rows(REPO / "bench" / "results" / "llamacpp-cpu-2026-11-28e")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3 and all(row in README.read_text() for row in rows)

@@ -154,7 +154,8 @@ def check_headline_figures(text: str, repo: Path) -> list[str]:
 
 
 def write_figures(out: Path, figures: dict[str, dict[str, Any]], *, versions: dict[str, Any]) -> Path:
-    """Write `out/figures.json` for this machine, today and this checkout's commit."""
+    """Write `out/figures.json` for this machine, today and this checkout's commit. Figures already there
+    from the same commit, machine and date are kept (the stages of one re-measurement add to one file)."""
     import subprocess
     import time
 
@@ -165,9 +166,18 @@ def write_figures(out: Path, figures: dict[str, dict[str, Any]], *, versions: di
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
                                 capture_output=True, text=True).stdout.strip())  # fmt: skip
-    record = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
-              "dirty": dirty, "machine": machine_record(), "versions": versions, "figures": figures}  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
+              "dirty": dirty, "machine": machine_record(), "versions": versions, "figures": {}}  # fmt: skip
     path = out / FILE_NAME
-    atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if any(old.get(k) != record[k] for k in ("commit", "machine", "date")):
+            raise SystemExit(
+                f"{path} was recorded at another commit, machine or date; fix: use a new directory"
+            )
+        record["figures"] = old["figures"]
+        record["versions"] = {**old.get("versions", {}), **versions}
+    record["figures"].update(figures)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
     return path
