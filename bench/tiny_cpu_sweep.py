@@ -66,7 +66,9 @@ def main() -> int:
             print("$ " + " ".join(serve[2:]), flush=True)
             proc = subprocess.Popen(serve, cwd=REPO, env=env)
             try:
-                waited = wait_ready(f"http://127.0.0.1:{http}", proc, 300)
+                # 1800 s: with DFLASH_TRT_COMPILE_BACKGROUND=0 (bench/readme_figures.py) a cold cache compiles
+                # every class before ready, minutes on 2 cores
+                waited = wait_ready(f"http://127.0.0.1:{http}", proc, 1800)
                 print(f"{label} server ready in {waited:.1f} s", flush=True)
                 # --overwrite: the server's weights are not part of the run's fingerprint, so a
                 # previous run in the same directory would otherwise be resumed, not remeasured.
