@@ -37,13 +37,25 @@ def _points(result: dict) -> dict[tuple, float]:
 
 
 def _cpu() -> str:
+    """The CPU's model and the flags that matter here (AVX-512, AVX512-BF16, AMX)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dflash_trt.utils.device import cpu_flags
+
+    model = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                model = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    flags = cpu_flags()
+    named = [
+        n
+        for f, n in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+        if f in flags
+    ]
+    return f"{model} ({', '.join(named) or 'no AVX-512'})"
 
 
 def _commit(checkout: Path) -> str:

@@ -737,4 +737,9 @@ def _request_params(sp: SamplingParams) -> RequestParams:
         include_stop_str_in_output=sp.include_stop_str_in_output,
         greedy_draft=sp.greedy_draft,
         skip_special_tokens=sp.skip_special_tokens,
+        presence_penalty=sp.presence_penalty if sp.presence_penalty is not None else 0.0,
+        frequency_penalty=sp.frequency_penalty if sp.frequency_penalty is not None else 0.0,
+        repetition_penalty=sp.repetition_penalty if sp.repetition_penalty is not None else 1.0,
+        logit_bias=tuple((sp.logit_bias or {}).items()),
+        min_p=sp.min_p if sp.min_p is not None else 0.0,
     )

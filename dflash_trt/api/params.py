@@ -20,6 +20,8 @@ class SamplingParams:
     `greedy_draft` (dflash-trt extension): at T > 0 propose greedy drafts (one-hot rule): the drafter's
     argmax, or a DFlash 2 selector's best-scoring candidate.
     `pad_id` is refused: outputs are never padded (each request's tokens come back at their own length).
+    `frequency_penalty`, `presence_penalty`, `repetition_penalty`, `logit_bias` (token id -> bias) and
+    `min_p` change the target's distribution as spec/penalties.py says, with DFlash as without it.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -43,26 +45,21 @@ class SamplingParams:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_p: float | None = None
     greedy_draft: bool = False
 
     def check_supported(self) -> None:
-        """Refuse what the embedded engine does not implement (several outputs, penalties, padding).
-        Every other field is validated by the engine when the request is added."""
+        """Refuse what the embedded engine does not implement (several outputs, padding). Every other
+        field is validated by the engine when the request is added."""
         if self.n != 1 or (self.best_of not in (None, 1)):
             raise RequestError(
                 f"n={self.n}, best_of={self.best_of}: only one output per request is supported",
                 field="n" if self.n != 1 else "best_of",
             )
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise RequestError(
-                    f"{name}={getattr(self, name)} is not supported by the embedded engine", field=name
-                )
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise RequestError(
-                f"repetition_penalty={self.repetition_penalty} is not supported by the embedded engine",
-                field="repetition_penalty",
-            )
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise RequestError(f"logit_bias={self.logit_bias!r} must map token ids to biases", field="logit_bias",
+                               hint="send a dict such as {50256: -100}")  # fmt: skip
         if self.pad_id is not None:
             raise RequestError(
                 f"pad_id={self.pad_id!r}: the embedded engine never pads outputs (each request's tokens "

@@ -17,6 +17,7 @@ import torch
 from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
 from dflash_trt.engine.request import Request, RequestParams
 from dflash_trt.errors import ConfigError, RequestError
+from dflash_trt.spec.penalties import validate_penalties
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import validate_sampling
 
@@ -72,6 +73,9 @@ class Admission:
         """Sampling ranges, min_tokens and seed, stop ids against the vocabulary, stop strings."""
         try:
             validate_sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            validate_penalties(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                               repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+                               logit_bias=params.logit_bias, vocab_size=self.vocab_size)  # fmt: skip
         except ConfigError as exc:
             raise RequestError(exc.message, field=exc.field, hint=exc.hint) from None
         for name in ("min_tokens", "seed"):
@@ -120,4 +124,9 @@ class Admission:
             reproducible=params.seed is not None and params.temperature > 0,
             detokenizer=detokenizer,
             owner=owner,
+            presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            repetition_penalty=float(params.repetition_penalty),
+            logit_bias=tuple((int(t), float(b)) for t, b in params.logit_bias),
+            min_p=float(params.min_p),
         )

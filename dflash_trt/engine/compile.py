@@ -317,7 +317,10 @@ class RoundCache:
             return None
         kind, items, single = key
         parts = [] if kind == ROUND else [kind]
-        for name, value in items:  # e.g. budget=0, flags=(True, True, False), g=15 -> budget0-flags110-g15
+        for (
+            name,
+            value,
+        ) in items:  # e.g. budget=0, flags=(True, True, False, False), g=15 -> budget0-flags1100-g15
             if isinstance(value, tuple):
                 value = "".join("1" if v else "0" for v in value)
             parts.append(f"{name}{value}")

@@ -256,6 +256,10 @@ class StaticRound:
             top_k=torch.zeros(bs, dtype=i64, device=dev),
             top_p=torch.ones(bs, dtype=torch.float32, device=dev),
             greedy_draft=torch.ones(bs, dtype=torch.bool, device=dev),
+            repetition=torch.ones(bs, dtype=torch.float32, device=dev),
+            frequency=torch.zeros(bs, dtype=torch.float32, device=dev),
+            presence=torch.zeros(bs, dtype=torch.float32, device=dev),
+            min_p=torch.zeros(bs, dtype=torch.float32, device=dev),
         )
         self._fill_padding()
         self.compiled_fn: Any = None  # the compiled round this graph runs (None: the eager round)

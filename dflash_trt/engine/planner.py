@@ -95,10 +95,11 @@ class RoundPlanner(NullPlanner):
         self.round_tokens = max(max_draft_len + 1, self.scratch_tokens + 1 if self.trees else 0)
 
     def plan(self, reqs: list[Request]) -> RoundShape:
-        n = len(reqs)
+        n, flags = len(reqs), round_flags(reqs)
         g = self._draft_len(n, reproducible=any(r.reproducible for r in reqs))
-        budget = self.budgets.choose(n) if self._tree_round(g) else 0
-        return RoundShape(g, budget, round_flags(reqs))
+        # a batch with penalties verifies the chain: a tree's nodes would each need their path's counts
+        budget = self.budgets.choose(n) if self._tree_round(g) and not flags[3] else 0
+        return RoundShape(g, budget, flags)
 
     def record(self, shape: RoundShape, batch_size: int, seconds: float, out: RoundOutput) -> None:
         if self._tree_round(shape.g):

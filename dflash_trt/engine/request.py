@@ -38,6 +38,12 @@ class RequestParams:
     include_stop_str_in_output: bool = False
     greedy_draft: bool = False
     skip_special_tokens: bool = True
+    # what a request may do to the target's distribution (spec/penalties.py); the defaults are off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_p: float = 0.0
 
 
 @dataclass
@@ -55,6 +61,11 @@ class Request:
     min_tokens: int
     include_stop_str_in_output: bool
     detokenizer: Any | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
     # sampled with the caller's seed: its tokens must not depend on what it is batched with, so its
     # rounds draft the full block (a draft length chosen by load would change its samples)
     reproducible: bool = False
@@ -92,6 +103,12 @@ class Request:
     @property
     def needs_filter(self) -> bool:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """Whether a penalty, a logit bias or min-p changes this request's distribution."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or (self.min_p and self.temperature > 0))  # fmt: skip
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, slot_mapping
+from dflash_trt.spec.penalties import penalize
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -86,6 +87,10 @@ class RoundInputs(NamedTuple):
     top_k: torch.Tensor  # [bs]
     top_p: torch.Tensor  # [bs] float32
     greedy_draft: torch.Tensor  # [bs] bool: propose argmax drafts
+    repetition: torch.Tensor  # [bs] float32 repetition_penalty (1: off; spec/penalties.py)
+    frequency: torch.Tensor  # [bs] float32 frequency_penalty
+    presence: torch.Tensor  # [bs] float32 presence_penalty
+    min_p: torch.Tensor  # [bs] float32
 
     @classmethod
     def build(
@@ -104,6 +109,10 @@ class RoundInputs(NamedTuple):
             top_k=torch.tensor([s.top_k for s in reqs], device=device),
             top_p=torch.tensor([s.top_p for s in reqs], dtype=torch.float32, device=device),
             greedy_draft=torch.tensor([s.greedy_draft or s.temperature == 0 for s in reqs], device=device),
+            repetition=torch.tensor([s.repetition_penalty for s in reqs], dtype=torch.float32, device=device),
+            frequency=torch.tensor([s.frequency_penalty for s in reqs], dtype=torch.float32, device=device),
+            presence=torch.tensor([s.presence_penalty for s in reqs], dtype=torch.float32, device=device),
+            min_p=torch.tensor([s.min_p for s in reqs], dtype=torch.float32, device=device),
         )
 
 
@@ -120,20 +129,22 @@ class RoundShape:
 
     g: int  # drafts per request (block - 1; 0 = plain decoding)
     budget: int  # DDTree nodes per request (0 = linear)
-    flags: tuple[bool, bool, bool]  # the batch's sampling mode (`round_flags`)
+    flags: tuple[bool, bool, bool, bool]  # the batch's sampling mode (`round_flags`)
 
     def kwargs(self) -> dict[str, Any]:
         return {"g": self.g, "flags": self.flags, "budget": self.budget}
 
 
-def round_flags(reqs: list[Request]) -> tuple[bool, bool, bool]:
-    """(all greedy, any greedy, any top-k/top-p): a round's compile-time sampling mode. Three modes
-    only, so that compiled and captured rounds need three variants at most: all-greedy batches take
-    the argmax path; every other batch takes the sampling path, which handles greedy rows exactly
-    (one-hot distributions), with the sorting filter only when a request asks for it."""
+def round_flags(reqs: list[Request]) -> tuple[bool, bool, bool, bool]:
+    """(all greedy, any greedy, any top-k/top-p, any penalty/bias/min-p): a round's compile-time
+    sampling mode. Few modes, so that compiled and captured rounds need few variants: all-greedy
+    batches take the argmax path; every other batch takes the sampling path, which handles greedy rows
+    exactly (one-hot distributions), with the sorting filter only when a request asks for it; the
+    penalties' pass (spec/penalties.py) runs only in a batch where some request asks for it."""
+    processed = any(s.processed for s in reqs)
     if all(s.temperature == 0 for s in reqs):
-        return True, True, False
-    return False, True, any(s.needs_filter for s in reqs)
+        return True, True, False, processed
+    return False, True, any(s.needs_filter for s in reqs), processed
 
 
 @dataclass
@@ -181,8 +192,16 @@ class RoundParts:
         self.draft_cache: PagedKVCache | None = None
         self.tap_layers: list[int] | None = None
         self.mask_token_id = 0
+        self.penalties: Penalties | None = None  # made for the first request with a penalty (`penalty_state`)
         if drafter is not None:
             self._bind_drafter(drafter, num_pages=num_pages)
+
+    def penalty_state(self) -> Penalties:
+        """The per-row penalty buffers, made on first use (a vocabulary-wide row per request)."""
+        if self.penalties is None:
+            vocab = self.target.config.vocab_size
+            self.penalties = Penalties(self.max_batch_size + 1, vocab, self.device)
+        return self.penalties
 
     def _bind_drafter(self, drafter: DFlashDrafter, *, num_pages: int) -> None:
         self.draft_cache = drafter.make_cache(num_pages=num_pages, page_size=self.page_size)
@@ -210,15 +229,19 @@ class RoundParts:
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         greedy_draft: torch.Tensor,
+        repetition: torch.Tensor,
+        frequency: torch.Tensor,
+        presence: torch.Tensor,
+        min_p: torch.Tensor,
         *,
         g: int,
-        flags: tuple[bool, bool, bool],
+        flags: tuple[bool, bool, bool, bool],
         budget: int = 0,
     ) -> torch.Tensor:
         """One round over the `RoundInputs` these tensors make (its fields, in order) -> `stack`'s
         [bs, 2g + 5] results."""
         inputs = RoundInputs(anchors, starts, block_lens, tables, num_pending, rows, seeds, temps, top_k, top_p,
-                             greedy_draft)  # fmt: skip
+                             greedy_draft, repetition, frequency, presence, min_p)  # fmt: skip
         t_draft = self.phase_clock()
         if self.drafter is not None:
             inject(self, inputs)
@@ -270,12 +293,56 @@ class RoundParts:
             self.times.accept_s += t_end - t_accept
 
 
+class Penalties:
+    """Per request row (the spare last row belongs to padding): counts of the tokens generated so far,
+    the tokens of the prompt or generated so far, and the request's logit bias, each [rows, V]
+    (spec/penalties.py says what they do). A row is set when its request's prompt is complete (`start`)
+    and counts every committed token after (`add`)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+
+    def start(self, row: int, prompt_ids: list[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
+        dev = self.counts.device
+        self.counts[row].zero_()
+        self.seen[row].zero_()
+        self.seen[row, torch.tensor(prompt_ids, dtype=torch.long, device=dev)] = True
+        self.bias[row].zero_()
+        if logit_bias:
+            ids, values = zip(*logit_bias)
+            self.bias[row, torch.tensor(ids, device=dev)] = torch.tensor(
+                values, dtype=torch.float32, device=dev
+            )
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        """tokens [bs, n] where valid [bs, n]: committed by the requests of `rows` [bs]."""
+        idx = (rows[:, None].expand_as(tokens), tokens)
+        self.counts.index_put_(idx, valid.float(), accumulate=True)
+        self.seen.index_put_((rows,), self.seen[rows] | (self.counts[rows] > 0))
+
+    def apply(self, x: RoundInputs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """logits [bs, g + 1, V] of a block whose drafts [bs, g] precede positions 1..g -> penalized, each
+        position with the counts its sequence has there."""
+        bs, bq, vocab = logits.shape
+        onehot = torch.zeros(bs, bq, vocab, dtype=torch.float32, device=logits.device)
+        onehot[:, 1:].scatter_(-1, drafts[..., None], 1.0)
+        counts = self.counts[x.rows][:, None] + onehot.cumsum(dim=1)  # drafts 0..j-1 before position j
+        seen = self.seen[x.rows][:, None] | (counts > 0)
+        per = (x.repetition, x.frequency, x.presence)
+        flat = [t.repeat_interleave(bq) for t in per]
+        out = penalize(logits.reshape(bs * bq, vocab), counts.reshape(bs * bq, vocab), seen.reshape(bs * bq, vocab),
+                       self.bias[x.rows].repeat_interleave(bq, dim=0), *flat)  # fmt: skip
+        return out.reshape(bs, bq, vocab)
+
+
 @dataclass
 class _Sampling:
     """A round's per-request sampling tensors ([bs] each) and the batch's static flags."""
 
     inputs: RoundInputs
-    flags: tuple[bool, bool, bool]  # (all greedy, any greedy, any top-k/top-p filter)
+    flags: tuple[bool, bool, bool, bool]  # (all greedy, any greedy, any top-k/top-p, any penalty/min-p)
 
     @property
     def all_greedy(self) -> bool:
@@ -283,11 +350,12 @@ class _Sampling:
 
     def probs(self, logits: torch.Tensor, *, per_row: int) -> torch.Tensor:
         """logits [bs * per_row, V] -> processed probabilities (each request's row repeated)."""
-        _, any_greedy, needs_filter = self.flags
+        _, any_greedy, needs_filter, processed = self.flags
         x = self.inputs
+        min_p = x.min_p.repeat_interleave(per_row) if processed else None
         return logits_to_probs(logits, x.temps.repeat_interleave(per_row), x.top_k.repeat_interleave(per_row),
                                x.top_p.repeat_interleave(per_row), needs_filter=needs_filter,
-                               any_greedy=any_greedy)  # fmt: skip
+                               any_greedy=any_greedy, min_p=min_p)  # fmt: skip
 
 
 @dataclass
@@ -313,7 +381,7 @@ def _block(p: RoundParts, x: RoundInputs, g: int) -> _Block:
 
 
 def round_chain(
-    p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool], t_draft: float
+    p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool, bool], t_draft: float
 ) -> torch.Tensor:
     """Linear DFlash (or plain decoding, g = 0): draft the chain, verify it, accept a prefix."""
     blk, sampling = _block(p, x, g), _Sampling(x, flags)
@@ -327,14 +395,18 @@ def round_chain(
             overturned = (drafted.proposal.overturned & d_valid).sum(dim=1)
     t_verify = p.phase_clock()
     logits = _verify(p, x, drafted.tokens, blk)
+    if flags[3]:
+        logits = _penalize_block(p, x, logits, drafted.tokens)
     t_accept = p.phase_clock()
     acc, emit = _accept(p, drafted, logits, blk, d_valid, sampling)
+    if flags[3]:
+        _count_committed(p, x, drafted.tokens, acc, emit)
     p.add_phases(t_draft, t_verify, t_accept)
     chain = torch.arange(g + 1, device=dev).expand(bs, g + 1)  # node j sits at depth j
     return stack(acc, emit, x.block_lens - 1, overturned, drafted.tokens, chain)
 
 
-def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool], budget: int,
+def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool, bool], budget: int,
                t_draft: float) -> torch.Tensor:  # fmt: skip
     """DDTree: draft, build each request's tree of `budget` nodes, verify it, walk it, commit."""
     blk = _block(p, x, g)
@@ -353,6 +425,28 @@ def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, b
     drafted = tree.valid.sum(dim=1) - 1  # [bs] real nodes below the root
     none = torch.zeros_like(drafted)  # trees are never built from a DFlash 2 selector (refused)
     return stack(walk.accepted, walk.emitted, drafted, none, walk.path_tokens, walk.path_nodes)
+
+
+def _penalize_block(
+    p: RoundParts, x: RoundInputs, logits: torch.Tensor, drafts: torch.Tensor
+) -> torch.Tensor:
+    """The block's target logits under each request's penalties and bias (spec/penalties.py)."""
+    assert p.penalties is not None
+    return p.penalties.apply(x, logits, drafts)
+
+
+def _count_committed(
+    p: RoundParts, x: RoundInputs, drafts: torch.Tensor, acc: torch.Tensor, emit: torch.Tensor
+) -> None:
+    """The round's committed tokens (accepted drafts, then the emitted one) into the penalty counts."""
+    assert p.penalties is not None
+    g = drafts.shape[1]
+    tokens = torch.cat([drafts, emit[:, None]], dim=1)  # [bs, g + 1]
+    cols = torch.arange(g + 1, device=drafts.device)[None, :]
+    tokens = torch.where(
+        cols == acc[:, None], emit[:, None], tokens
+    )  # the emitted token sits after the accepted
+    p.penalties.add(x.rows, tokens, cols <= acc[:, None])
 
 
 def inject(p: RoundParts, x: RoundInputs) -> None:
@@ -469,10 +563,10 @@ def _verify_tree(p: RoundParts, tree: DraftTree, x: RoundInputs,
 
 
 def _accept_tree(p: RoundParts, tree: DraftTree, logits: torch.Tensor, x: RoundInputs,
-                 flags: tuple[bool, bool, bool], g: int) -> TreeWalk:  # fmt: skip
+                 flags: tuple[bool, bool, bool, bool], g: int) -> TreeWalk:  # fmt: skip
     """The target's own token at every node (argmax, or a sample with the uniform of the position
     it fills), then the walk from the root along those choices."""
-    all_greedy, any_greedy, needs_filter = flags
+    all_greedy, any_greedy, needs_filter, _ = flags  # trees never run with penalties (the planner)
     chosen = target_tokens(
         logits, tree, x.starts, x.seeds, x.temps, x.top_k, x.top_p,
         all_greedy=all_greedy, any_greedy=any_greedy, needs_filter=needs_filter, native=p.native_uniform,

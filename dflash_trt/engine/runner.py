@@ -15,6 +15,7 @@ import torch
 
 from dflash_trt.engine.round import RoundInputs, RoundOutput, RoundShape, page_tables, unstack
 from dflash_trt.layers.kv_cache import pages_for
+from dflash_trt.spec.penalties import penalize
 from dflash_trt.spec.sampling import PURPOSE_EMIT, logits_to_probs, sample_from_probs, uniform
 
 if TYPE_CHECKING:
@@ -57,13 +58,19 @@ class ModelRunner:
         done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(reqs, chunks)]
         firsts: list[int | None] = [None] * bs
         if any(done):
-            tokens = self._first_tokens(reqs, logits, seq_lens)
+            processed = [s.processed and d for s, d in zip(reqs, done)]
+            if any(processed) or self.parts.penalties is not None:
+                logits = self._start_penalties(reqs, done, logits)
+            tokens = self._first_tokens(reqs, logits, seq_lens, min_p=any(processed))
             firsts = [tok if d else None for tok, d in zip(tokens, done)]
+            if any(processed):
+                self._count_first(reqs, processed, tokens)
         self.parts.sync()
         self.times.prefill_s += time.perf_counter() - t0
         return firsts
 
-    def _first_tokens(self, reqs: list[Request], logits: torch.Tensor, seq_lens: torch.Tensor) -> list[int]:
+    def _first_tokens(self, reqs: list[Request], logits: torch.Tensor, seq_lens: torch.Tensor, *,
+                      min_p: bool) -> list[int]:  # fmt: skip
         """Each prompt's first generated token, sampled as a round emits (keyed by its position)."""
         dev = self.device
         probs = logits_to_probs(
@@ -73,10 +80,31 @@ class ModelRunner:
             torch.tensor([s.top_p for s in reqs], device=dev),
             needs_filter=any(s.needs_filter for s in reqs),
             any_greedy=any(s.temperature == 0 for s in reqs),
+            min_p=torch.tensor([s.min_p for s in reqs], device=dev) if min_p else None,
         )
         seeds = torch.tensor([s.seed for s in reqs], dtype=torch.long, device=dev)
         u = uniform(seeds, seq_lens[:, None], PURPOSE_EMIT, native=self.parts.native_uniform)[:, 0]
         return sample_from_probs(probs, u).tolist()
+
+    def _start_penalties(self, reqs: list[Request], done: list[bool], logits: torch.Tensor) -> torch.Tensor:
+        """Once the penalty buffers exist, every request whose prompt is complete sets its row (from its
+        prompt and bias: a reused row forgets its last owner's); the first token's logits penalized
+        (nothing generated yet: only the prompt's repetition and the bias count)."""
+        state = self.parts.penalty_state()
+        for s, d in zip(reqs, done):
+            if d:
+                state.start(s.row, s.prompt_ids, s.logit_bias)
+        rows = torch.tensor([s.row for s in reqs], device=self.device)
+        per = [torch.tensor([getattr(s, n) for s in reqs], dtype=torch.float32, device=self.device)
+               for n in ("repetition_penalty", "frequency_penalty", "presence_penalty")]  # fmt: skip
+        return penalize(logits, state.counts[rows], state.seen[rows], state.bias[rows], *per)
+
+    def _count_first(self, reqs: list[Request], processed: list[bool], tokens: list[int]) -> None:
+        rows = [s.row for s, on in zip(reqs, processed) if on]
+        first = [t for t, on in zip(tokens, processed) if on]
+        dev = self.device
+        self.parts.penalty_state().add(torch.tensor(rows, device=dev), torch.tensor(first, device=dev)[:, None],
+                                       torch.ones(len(rows), 1, dtype=torch.bool, device=dev))  # fmt: skip
 
     @torch.inference_mode()
     def decode_round(self, reqs: list[Request], shape: RoundShape) -> RoundOutput:

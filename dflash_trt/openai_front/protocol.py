@@ -10,11 +10,12 @@ engine's rule (`LLMEngine.add_request`): its refusal comes back through Triton n
 and `upstream.model_error` turns it into the same 400.
 
 Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`stop` (strings), `n=1`, `stream`, `stream_options.include_usage`; extensions as in vLLM:
-`stop_token_ids`, `ignore_eos`, `min_tokens`, `stream_options.continuous_usage_stats` (usage on
-every chunk), `chat_template_kwargs`. Refused with 400: `n>1`, `best_of>1`, log-probabilities,
-penalties, `logit_bias`, `echo`, `suffix`, tools/functions, `response_format` other than text,
-non-text content, token-id prompts, and any key not listed here.
+`stop` (strings), `n=1`, `stream`, `stream_options.include_usage`, `frequency_penalty`,
+`presence_penalty`, `logit_bias` (token-id strings -> bias); extensions as in vLLM: `stop_token_ids`,
+`ignore_eos`, `min_tokens`, `repetition_penalty`, `min_p`, `stream_options.continuous_usage_stats` (usage
+on every chunk), `chat_template_kwargs`. Refused with 400: `n>1`, `best_of>1`, log-probabilities,
+`echo`, `suffix`, tools/functions, `response_format` other than text, non-text content, token-id prompts,
+and any key not listed here.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ class Generation:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -102,10 +108,6 @@ class Generation:
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),  # vLLM extension
-    "logit_bias": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None,),
@@ -124,10 +126,6 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
 _WHY = {
     "n": ("only one choice per request is generated", "send n=1 (or omit it) and issue several requests"),
     "best_of": ("only one candidate per request is generated", "omit best_of"),
-    "frequency_penalty": ("penalties are not supported by the DFlash engines", "omit it or send 0"),
-    "presence_penalty": ("penalties are not supported by the DFlash engines", "omit it or send 0"),
-    "repetition_penalty": ("penalties are not supported by the DFlash engines", "omit it or send 1"),
-    "logit_bias": ("logit bias is not supported", "omit logit_bias"),
     "echo": ("echo is not supported", "omit echo and prepend the prompt yourself"),
     "suffix": ("insertion (suffix) is not supported", "omit suffix"),
     "tools": ("tool calling is not supported", "omit tools"),
@@ -146,7 +144,11 @@ _WHY = {
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = frozenset({"user", "metadata", "service_tier", "stream_options"})
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                     "ignore_eos", "min_tokens", "stream", "stream_options", "logprobs"})  # fmt: skip
+                     "ignore_eos", "min_tokens", "stream", "stream_options", "logprobs", "frequency_penalty",
+                     "presence_penalty", "repetition_penalty", "min_p", "logit_bias"})  # fmt: skip
+# the distribution's fields (spec/penalties.py): numbers the engine range-checks
+_PENALTIES = {"frequency_penalty": "send a number in [-2, 2]; 0 = off", "presence_penalty": "send a number in [-2, 2]; 0 = off",
+              "repetition_penalty": "send a number > 0; 1 = off", "min_p": "send a number in [0, 1]; 0 = off"}  # fmt: skip
 _COMPLETIONS_KEYS = _COMMON | {"prompt"} | set(_OFF_ONLY) | _IGNORED
 _CHAT_KEYS = (
     _COMMON
@@ -234,6 +236,9 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         gen.stop_token_ids = list(ids)
     gen.ignore_eos = _bool(body, "ignore_eos")
     gen.min_tokens = _int(body, "min_tokens", lo=INT32[0], hi=INT32[1], fix="send an integer >= 0")
+    for key, fix in _PENALTIES.items():
+        setattr(gen, key, _float(body, key, fix=fix))
+    gen.logit_bias = _logit_bias(body.get("logit_bias"))
     gen.stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None:
@@ -249,6 +254,24 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
                           "use include_usage (or continuous_usage_stats)")  # fmt: skip
         gen.include_usage = _bool(opts, "include_usage", prefix="stream_options.")
         gen.continuous_usage = _bool(opts, "continuous_usage_stats", prefix="stream_options.")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to biases (the engine checks ranges)."""
+    if value is None:
+        return {}
+    fix = 'send an object from token ids to biases in [-100, 100], e.g. {"50256": -100}'
+    if not isinstance(value, dict):
+        raise bad("logit_bias", value, "must be an object", fix)
+    out = {}
+    for key, bias in value.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not token.isdigit() or isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad("logit_bias", {key: bias}, "each key must be a token id and each value a number", fix)
+        if not int(token) <= INT32[1]:
+            raise bad("logit_bias", {key: bias}, "the token id is outside what its Triton input carries", fix)
+        out[int(token)] = float(bias)
+    return out
 
 
 def _max_tokens(gen: Generation, key: str, value: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,6 +200,12 @@ class Upstream:
             values.append(("sampling_param_ignore_eos", "BOOL", [True]))
         if gen.min_tokens is not None:
             values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
+        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+            if getattr(gen, name) is not None:
+                values.append((f"sampling_param_{name}", "FP32", [getattr(gen, name)]))
+        if gen.logit_bias:  # a JSON object on the wire (the model's sampling_param_logit_bias)
+            bias = json.dumps({str(t): b for t, b in gen.logit_bias.items()})
+            values.append(("sampling_param_logit_bias", "BYTES", [bias.encode("utf-8")]))
         dtypes = {
             "BYTES": np.object_,
             "BOOL": np.bool_,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.errors import ConfigError
+from dflash_trt.spec.penalties import min_p_mask
 
 # What a uniform is for; part of the random key.
 PURPOSE_DRAFT = 0  # draw d_j ~ q_j
@@ -63,8 +64,9 @@ def logits_to_probs(
     *,
     needs_filter: bool | None = None,
     any_greedy: bool | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits: [N, V]; temperature/top_k/top_p: [N] -> probs [N, V] float32.
+    """logits: [N, V]; temperature/top_k/top_p (and min_p, when given): [N] -> probs [N, V] float32.
 
     Rows with temperature 0 become one-hot at the argmax, so greedy falls out of the same
     acceptance rule. `needs_filter` / `any_greedy` may be given by callers that know them from the
@@ -77,6 +79,8 @@ def logits_to_probs(
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     scores = scores / safe_t[:, None]
+    if min_p is not None:  # before top-k and top-p (spec/penalties.py)
+        scores = min_p_mask(scores, min_p)
     if needs_filter is None:  # host sync; callers that know their requests pass the flags
         needs_filter = bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any())
     if any_greedy is None:

@@ -64,6 +64,9 @@ INPUTS: tuple[Port, ...] = (
     Port("sampling_param_ignore_eos", "TYPE_BOOL", (1,), ours=True),
     Port("sampling_param_min_tokens", "TYPE_INT32", (1,), ours=True),
     Port("sampling_param_stop_token_ids", "TYPE_INT32", (-1,), ours=True),
+    Port("sampling_param_repetition_penalty", "TYPE_FP32", (1,), ours=True),
+    Port("sampling_param_min_p", "TYPE_FP32", (1,), ours=True),
+    Port("sampling_param_logit_bias", "TYPE_STRING", (1,), ours=True),  # JSON: token id -> bias
     Port("streaming_delta", "TYPE_BOOL", (1,), ours=True),
 )
 

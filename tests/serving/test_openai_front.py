@@ -197,8 +197,11 @@ BAD_COMPLETIONS = [
     ({"logprobs": 2}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # the engine's range, named through Triton
+    ({"logit_bias": {"x": 1}}, "logit_bias"),  # not a token id: the front's
+    ({"logit_bias": {"5000": 1}}, "logit_bias"),  # outside the vocabulary: the engine's
+    ({"extra_body": {"min_p": 2}}, "min_p"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
@@ -262,6 +265,25 @@ def test_chat_errors_are_400_naming_the_field(client, kwargs, param) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**body)
     assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+
+
+def test_penalties_bias_and_min_p_are_served_as_the_llm_api_generates(client) -> None:
+    """The distribution's fields through the openai client, both endpoints, equal to the LLM API's
+    greedy output for the same prompt and values (DFlash served, plain or DFlash in process alike)."""
+    from dflash_trt import LLM, SamplingParams
+
+    fields = {"presence_penalty": 0.8, "frequency_penalty": 0.3}
+    extra = {"repetition_penalty": 1.3, "min_p": 0.1}
+    with LLM("tiny", max_batch_size=2, compile=False) as llm:
+        want = llm.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0,
+                                                   **fields, **extra)).outputs[0].text  # fmt: skip
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, **fields,
+                                  extra_body={"ignore_eos": True, **extra})  # fmt: skip
+    assert r.choices[0].text == want
+    x = 120  # the byte tokenizer's id of "x"
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CHAT}], max_tokens=6,
+                                       temperature=0, logit_bias={str(x): 100})  # fmt: skip
+    assert r.choices[0].message.content == "x" * 6
 
 
 def test_the_engine_decides_what_values_mean(client) -> None:

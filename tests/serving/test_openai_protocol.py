@@ -155,3 +155,31 @@ def test_stop_holdback_never_streams_a_stop_string_prefix() -> None:
     assert h.delta("abc ENx", final=True) == ""  # the engine cut the text at "\n\n"
     h = P.StopHoldback(["END"])
     assert h.delta("ab", final=False) == "ab" and h.delta("abcd", final=True) == "cd"
+
+
+def test_penalties_bias_and_min_p_reach_the_triton_inputs() -> None:
+    """OpenAI's penalties and logit_bias (token ids as strings), vLLM's repetition_penalty and min_p: parsed,
+    then sent as the model's sampling_param_* inputs (the bias as one JSON object)."""
+    import json
+
+    from dflash_trt.openai_front.upstream import Upstream
+
+    g = P.parse_chat(
+        {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "presence_penalty": 0.5,
+         "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"42": -100, " 7": 3.5}},
+        SERVED,
+    )  # fmt: skip
+    assert (g.presence_penalty, g.frequency_penalty, g.repetition_penalty, g.min_p) == (0.5, -1.0, 1.2, 0.1)
+    assert g.logit_bias == {42: -100.0, 7: 3.5}
+    g.prompt = "a"
+    sent = {t.name(): t for t in Upstream._inputs(Upstream.__new__(Upstream), g)}
+    assert json.loads(sent["sampling_param_logit_bias"]._raw_content[4:].decode()) == {"42": -100.0, "7": 3.5}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        assert sent[f"sampling_param_{name}"].datatype() == "FP32"
+    for bias in ({"a": 1}, {"1": "x"}, [1], {"1": True}):
+        with pytest.raises(P.OpenAIError) as err:
+            P.parse_completions({"model": "tiny", "prompt": "p", "logit_bias": bias}, SERVED)
+        assert err.value.param == "logit_bias"
+    with pytest.raises(P.OpenAIError) as err:
+        P.parse_completions({"model": "tiny", "prompt": "p", "min_p": "high"}, SERVED)
+    assert err.value.param == "min_p"

@@ -81,6 +81,24 @@ def test_grpc_streaming_with_tritonclient(server):
     assert data[-1].as_numpy("mean_acceptance_length")[0] >= 1.0
 
 
+def test_penalty_bias_and_min_p_inputs_over_http_and_grpc(server):
+    """The distribution's inputs (TensorRT-LLM's penalty names, ours for repetition, min_p and the JSON
+    logit bias) over HTTP and a gRPC stream: a +100 bias on "x" makes every token "x"."""
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 5, "sampling_param_ignore_eos": True,
+            "sampling_param_presence_penalty": 0.5, "sampling_param_frequency_penalty": 0.2,
+            "sampling_param_repetition_penalty": 1.2, "sampling_param_min_p": 0.05,
+            "sampling_param_logit_bias": json.dumps({"120": 100})}  # fmt: skip
+    r = http_generate(server, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == "x" * 5
+    inputs = [("text_input", PROMPT.encode(), "BYTES"), ("sampling_param_max_tokens", 5, "INT32"),
+              ("sampling_param_ignore_eos", True, "BOOL"), ("streaming", True, "BOOL"),
+              ("sampling_param_logit_bias", json.dumps({"120": 100}).encode(), "BYTES"),
+              ("sampling_param_repetition_penalty", 1.2, "FP32")]  # fmt: skip
+    results = grpc_stream(server, inputs)
+    assert results[-1][1] is None and results[-1][0].as_numpy("text_output")[0].decode() == "x" * 5
+
+
 def test_concurrent_clients(server):
     prompts = [f"x{i} = " for i in range(12)]
     expected = {p: http_generate(server, {"text_input": p, "sampling_param_max_tokens": 12,
@@ -152,10 +170,12 @@ def test_metrics_endpoint_exposes_dflash_metrics(server):
             {"text_input": "x", "return_cumulative_logprob": True},
             "return_cumulative_logprob is not supported",
         ),
+        ({"text_input": "x", "sampling_param_frequency_penalty": 5.0}, "frequency_penalty=5.0"),
         (
-            {"text_input": "x", "sampling_param_frequency_penalty": 0.5},
-            "frequency_penalty=0.5 is not supported",
+            {"text_input": "x", "sampling_param_logit_bias": "[1]"},
+            "sampling_param_logit_bias must be a JSON object",
         ),
+        ({"text_input": "x", "sampling_param_min_p": -0.5}, "min_p=-0.5"),
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, pattern):

@@ -50,6 +50,9 @@ SAMPLING_INPUTS = {
     "sampling_param_ignore_eos": "ignore_eos",
     "sampling_param_min_tokens": "min_tokens",
     "sampling_param_stop_token_ids": "stop_token_ids",
+    "sampling_param_repetition_penalty": "repetition_penalty",
+    "sampling_param_min_p": "min_p",
+    "sampling_param_logit_bias": "logit_bias",  # a JSON object from token ids to biases
 }
 LIST_FIELDS = {"stop", "stop_token_ids"}
 FLAG_INPUTS = ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
@@ -113,6 +116,17 @@ def decode_text(value: Any, field: str) -> str:
     except UnicodeDecodeError as exc:
         raise RequestInputError(
             f"{field} is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 text", field=field
+        ) from None
+
+
+def logit_bias(text: Any, name: str) -> dict[int, float]:
+    """sampling_param_logit_bias: a JSON object from token ids to biases (the engine checks ranges)."""
+    try:
+        value = json.loads(text)
+        return {int(k): float(v) for k, v in value.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise RequestInputError(
+            f'{name} must be a JSON object from token ids to numbers, e.g. {{"42": -100}}', field=name
         ) from None
 
 
@@ -248,7 +262,9 @@ class WireCodec:
             if flat.size != 1:
                 raise RequestInputError(f"{name} must hold exactly one value, got {flat.size}", field=name)
             item = flat[0]
-            if isinstance(item, bytes):
+            if field == "logit_bias":
+                kwargs[field] = logit_bias(decode_text(item, name) if isinstance(item, bytes) else item, name)
+            elif isinstance(item, bytes):
                 kwargs[field] = decode_text(item, name)
             elif value.dtype.kind in "iu" and value.dtype.itemsize <= 4:
                 kwargs[field] = wire_int(item, name)
