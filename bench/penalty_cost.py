@@ -3,13 +3,18 @@
 presence/frequency/repetition penalties and a logit bias, in one engine, interleaved, as round-time
 ratios taken in one run (issue #44's goal: a penalized round at most 1.10x an unpenalized one).
 
-  engine   `LLM(TARGET)` with its packaged drafter, default settings unless --eager / --compile
+  engine   `LLM(TARGET)` with its packaged drafter drafting the full block (pinned: both kinds run the same
+           round shape), default settings unless --eager / --compile
   batch    B of the pair's held-out prompts at once, greedy, ignore_eos, --max-tokens each
-  figure   seconds per round (`LLMEngine.runner.times`: round_s / rounds) over --repeats calls of each kind,
-           alternating; the penalized over the plain. A penalized batch verifies the chain and runs a
-           pass over [B x block x vocabulary]; its shape class is not compiled by the warm-up, so with
-           compiled rounds it runs eagerly (serving freezes the classes after the warm-up): the eager
-           figure compares like with like, the default figure is what a server does today.
+  figures  (a) the penalty work a round adds: the time in the round's two penalty steps (the pass over
+           the block's logits and the count of the committed tokens), timed inside the engine, per
+           penalized round, over the plain round's time: (plain + added) / plain is the penalized round's
+           cost in the same state, the goal's ratio; (b) end to end, seconds per round of each kind
+           (`runner.times`: round_s / rounds) over --repeats calls, alternating. (b) is confounded: the
+           penalties change the outputs, so the kinds run different numbers of rounds at different batch
+           sizes as requests finish; (a) is not. A penalized batch verifies the chain, and its shape class
+           is not compiled by the warm-up (with compiled rounds it runs eagerly: serving freezes the
+           classes after the warm-up); --eager compares like with like.
 
     .venv/bin/python bench/penalty_cost.py --target tiny --batch-sizes 1,16 --eager
     .venv/bin/python bench/penalty_cost.py --target smollm2-135m --batch-sizes 1,16 --eager --max-tokens 32
@@ -54,21 +59,41 @@ def _per_round(llm: Any, prompts: list[str], sp: Any) -> tuple[float, int]:
 
 def measure(llm: Any, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     from dflash_trt import SamplingParams
+    from dflash_trt.engine import round as round_mod
 
     base = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}
     plain = SamplingParams(**base)
-    bias = {7: -2.0, 11: 1.5}  # two token ids every vocabulary has
-    penalized = SamplingParams(**base, **PENALTIES, logit_bias=bias)
+    penalized = SamplingParams(**base, **PENALTIES, logit_bias={7: -2.0, 11: 1.5})  # ids every vocabulary has
+    added = [0.0]
+    for name in ("_penalize_block", "_count_committed"):  # the round's penalty steps, timed where they run
+        setattr(round_mod, name, _timed(getattr(round_mod, name), added))
     _per_round(llm, prompts, plain)  # warm-up: allocations, the penalty buffers
     _per_round(llm, prompts, penalized)
-    ms: dict[str, list[float]] = {"plain": [], "penalized": []}
+    ms: dict[str, list[float]] = {"plain": [], "penalized": [], "added": []}
     for r in range(args.repeats):
         for name in ("plain", "penalized") if r % 2 == 0 else ("penalized", "plain"):
+            added[0] = 0.0
             seconds, rounds = _per_round(llm, prompts, plain if name == "plain" else penalized)
             ms[name].append(1e3 * seconds / max(1, rounds))
+            if name == "penalized":
+                ms["added"].append(1e3 * added[0] / max(1, rounds))
     out = {k: statistics.median(v) for k, v in ms.items()}
     return {"plain_ms_per_round": out["plain"], "penalized_ms_per_round": out["penalized"],
-            "ratio": out["penalized"] / out["plain"]}  # fmt: skip
+            "added_ms_per_round": out["added"], "ratio": (out["plain"] + out["added"]) / out["plain"],
+            "end_to_end_ratio": out["penalized"] / out["plain"]}  # fmt: skip
+
+
+def _timed(fn: Any, total: list[float]) -> Any:
+    import time
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - t0
+
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,19 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {} if args.compile is None else {"compile": args.compile}
     results = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        with LLM(args.target, speculative_config=_spec(args.target), max_batch_size=bs, **kwargs) as llm:
+        with LLM(args.target, speculative_config=_spec(args.target, bs), max_batch_size=bs, **kwargs) as llm:
             point = {
                 "batch_size": bs,
                 "compiled": llm.engine.executor.compiled,
                 **measure(llm, texts[:bs], args),
             }
         results.append(point)
-        print(f"batch {bs:>3}: plain {point['plain_ms_per_round']:.2f} ms/round, penalized "
-              f"{point['penalized_ms_per_round']:.2f} ms/round, ratio {point['ratio']:.3f} "
+        print(f"batch {bs:>3}: plain round {point['plain_ms_per_round']:.2f} ms, penalty work "
+              f"{point['added_ms_per_round']:.2f} ms a penalized round: ratio {point['ratio']:.3f}; end to end "
+              f"{point['penalized_ms_per_round']:.2f} ms/round ({point['end_to_end_ratio']:.3f}, confounded) "
               f"(compiled classes: {point['compiled']})", flush=True)  # fmt: skip
     flags = cpu_flags()
     config = {"target": args.target, "max_tokens": args.max_tokens, "repeats": args.repeats, "penalties": PENALTIES,
-              "compile": "default" if args.compile is None else args.compile, "cpu": platform.processor(),
+              "compile": "default" if args.compile is None else args.compile, "cpu": _cpu_model(),
               "cpus": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags,
               "date": datetime.date.today().isoformat()}  # fmt: skip
     print(json.dumps(config))
@@ -102,14 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _spec(target: str) -> dict[str, Any]:
-    """The packaged pair's drafter (smollm2-135m's is named, not its default)."""
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _spec(target: str, batch: int) -> dict[str, Any]:
+    """The packaged pair's drafter (smollm2-135m's is named, not its default), the full block at every
+    batch size (`max_concurrency`: a draft length chosen by cost would differ between the two kinds)."""
     from dflash_trt import pairs
 
     pair = pairs.packaged_pair(target)
     drafter = pairs.default_drafter(pair) or pairs.packaged_drafter(f"{target}-dflash")
     block = json.loads((drafter / "config.json").read_text())["block_size"]
-    return {"decoding_type": "DFlash", "max_draft_len": block - 1, "speculative_model": str(drafter)}
+    return {"decoding_type": "DFlash", "max_draft_len": block - 1, "speculative_model": str(drafter),
+            "max_concurrency": batch}  # fmt: skip
 
 
 if __name__ == "__main__":

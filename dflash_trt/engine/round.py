@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, slot_mapping
-from dflash_trt.spec.penalties import penalize
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -324,17 +323,54 @@ class Penalties:
 
     def apply(self, x: RoundInputs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [bs, g + 1, V] of a block whose drafts [bs, g] precede positions 1..g -> penalized, each
-        position with the counts its sequence has there."""
-        bs, bq, vocab = logits.shape
-        onehot = torch.zeros(bs, bq, vocab, dtype=torch.float32, device=logits.device)
-        onehot[:, 1:].scatter_(-1, drafts[..., None], 1.0)
-        counts = self.counts[x.rows][:, None] + onehot.cumsum(dim=1)  # drafts 0..j-1 before position j
-        seen = self.seen[x.rows][:, None] | (counts > 0)
-        per = (x.repetition, x.frequency, x.presence)
-        flat = [t.repeat_interleave(bq) for t in per]
-        out = penalize(logits.reshape(bs * bq, vocab), counts.reshape(bs * bq, vocab), seen.reshape(bs * bq, vocab),
-                       self.bias[x.rows].repeat_interleave(bq, dim=0), *flat)  # fmt: skip
-        return out.reshape(bs, bq, vocab)
+        position with the counts its sequence has there: every position with the committed counts (on
+        CPU only the tokens a row has seen or biases; `logits` may be changed in place), then, at
+        position j, the tokens of drafts 0..j-1 again with the counts those drafts add."""
+        counts, seen, bias = self.counts[x.rows], self.seen[x.rows], self.bias[x.rows]  # [bs, V] each
+        r, f, p = (t.float()[:, None] for t in (x.repetition, x.frequency, x.presence))
+        bs, bq, _ = logits.shape
+        tok = drafts[:, None, :].expand(bs, bq, drafts.shape[1])  # [bs, j, i]: draft i's token at position j
+        raw = logits.float().gather(2, tok)  # before anything below changes the logits
+        if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+            scores = _penalize_touched(logits.float(), counts, seen, bias, r, f, p)
+        else:  # no data-dependent shapes (CUDA graphs, compiled code): passes over the whole block
+            scale = torch.where(seen, r, 1.0)[:, None]  # [bs, 1, V]
+            shift = (f * counts + p * (counts > 0).float() - bias)[:, None]
+            scores = logits.float()
+            scores = torch.where(scores > 0, scores / scale, scores * scale) - shift
+        if drafts.shape[1] == 0:
+            return scores
+        return _with_drafts_counted(scores, raw, tok, drafts, counts, bias, r, f, p)
+
+
+def _penalize_touched(scores: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, bias: torch.Tensor,
+                      r: torch.Tensor, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The committed counts' penalties at every position of `scores` [bs, g + 1, V], changed in place and
+    only where they change anything: the tokens a row has seen or biases (a prompt's and an output's
+    tokens, not the vocabulary)."""
+    b, t = (seen | (bias != 0)).nonzero(as_tuple=True)  # [N] each
+    raw = scores[b, :, t]  # [N, g + 1]
+    c, rr = counts[b, t][:, None], r[b]
+    val = torch.where(seen[b, t][:, None], torch.where(raw > 0, raw / rr, raw * rr), raw)
+    scores[b, :, t] = val - f[b] * c - p[b] * (c > 0).float() + bias[b, t][:, None]
+    return scores
+
+
+def _with_drafts_counted(scores: torch.Tensor, raw: torch.Tensor, tok: torch.Tensor, drafts: torch.Tensor,
+                         counts: torch.Tensor, bias: torch.Tensor, r: torch.Tensor, f: torch.Tensor,
+                         p: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`scores` [bs, g + 1, V] penalized with the committed counts; at position j the tokens of drafts
+    0..j-1 penalized again from their raw logits `raw` [bs, j, i] (at `tok`) with their counts there."""
+    same = (drafts[:, :, None] == drafts[:, None, :]).float()  # [bs, i', i]: draft i' has draft i's token
+    before = torch.cat(
+        [torch.zeros_like(same[:, :1]), same.cumsum(dim=1)], dim=1
+    )  # [bs, j, i]: among drafts < j
+    c = counts.gather(1, drafts)[:, None, :] + before  # the count of draft i's token at position j
+    val = torch.where(raw > 0, raw / r[:, :, None], raw * r[:, :, None])  # a drafted token is seen
+    val = val - f[:, :, None] * c - p[:, :, None] * (c > 0).float() + bias.gather(1, drafts)[:, None, :]
+    keep = scores.gather(2, tok)  # where draft i's token is not among the drafts before j
+    # every entry of one token at one position agrees (`before` counts by token): the scatter is exact
+    return scores.scatter_(2, tok, torch.where(before > 0, val, keep))
 
 
 @dataclass
