@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_trt.api.handle import GenerationHandle
 from dflash_trt.api.outputs import (
     CompletionOutput,
+    Logprob,
     RequestOutput,
     RequestPerfMetrics,
     SpeculativeDecodingMetrics,
@@ -497,6 +498,11 @@ class LLM:
             token_ids_diff=list(at.new_token_ids),
             request_perf_metrics=metrics,
         )
+        if sp.logprobs is not None:
+            n = at.num_tokens
+            comp.logprobs, comp.cumulative_logprob = _logprobs(
+                req.output_ids[:n], req.token_logprobs[:n], sp.logprobs
+            )
         return RequestOutput(
             request_id=req.request_id,
             prompt=handle.prompt,
@@ -618,6 +624,19 @@ def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) 
         engine.fail_all()
         engine.executor.disable()
         torch._dynamo.reset()
+
+
+def _logprobs(tokens: list[int], entries: list[Any], k: int) -> tuple[list[dict[int, Logprob]], float]:
+    """The output tokens and the engine's (logprob, rank, top) for each -> TensorRT-LLM's [{token: Logprob}]
+    (the token itself, then its k most likely alternatives) and the tokens' cumulative log-probability."""
+    out, total = [], 0.0
+    for tok, (logprob, rank, top) in zip(tokens, entries):
+        row = {tok: Logprob(logprob, rank)}
+        for i, (t, lp) in enumerate(top[:k]):
+            row.setdefault(t, Logprob(lp, i + 1))
+        out.append(row)
+        total += logprob
+    return out, total
 
 
 @functools.cache
@@ -742,4 +761,5 @@ def _request_params(sp: SamplingParams) -> RequestParams:
         repetition_penalty=sp.repetition_penalty if sp.repetition_penalty is not None else 1.0,
         logit_bias=tuple((sp.logit_bias or {}).items()),
         min_p=sp.min_p if sp.min_p is not None else 0.0,
+        logprobs=sp.logprobs,
     )

@@ -22,6 +22,16 @@ class SpeculativeDecodingMetrics:
     tree_budgets: list[int] | None = None  # DDTree engines: each round's budget (0 = linear); else None
 
 
+@dataclass(slots=True)
+class Logprob:
+    """A token's log-probability and its rank in the distribution (1 = the most likely), TensorRT-LLM's
+    shape. The distribution is the target's after penalties and bias, before temperature, top-k and
+    top-p (docs/llm-api.md)."""
+
+    logprob: float
+    rank: int | None = None
+
+
 @dataclass
 class TimingMetrics:
     """Offsets on the engine's monotonic clock (datetime.timedelta, like TensorRT-LLM)."""
@@ -48,6 +58,10 @@ class CompletionOutput:
     text_diff: str = ""  # new text since the previous streamed output of this request
     token_ids_diff: list[int] = field(default_factory=list)
     request_perf_metrics: RequestPerfMetrics | None = None
+    # with SamplingParams.logprobs = k: per output token, {token: Logprob} for the token itself and the k
+    # most likely ones; cumulative_logprob is the sum over the output tokens (None without logprobs)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def length(self) -> int:

@@ -22,6 +22,9 @@ class SamplingParams:
     `pad_id` is refused: outputs are never padded (each request's tokens come back at their own length).
     `frequency_penalty`, `presence_penalty`, `repetition_penalty`, `logit_bias` (token id -> bias) and
     `min_p` change the target's distribution as spec/penalties.py says, with DFlash as without it.
+    `logprobs` = k returns each output token's log-probability and rank with the k most likely tokens'
+    (k in [0, 20]; the distribution after penalties and bias, before temperature/top-k/top-p): the
+    verify pass's distribution for accepted drafts and the bonus token, equal to plain decoding's.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -47,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     min_p: float | None = None
+    logprobs: int | None = None
     greedy_draft: bool = False
 
     def check_supported(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
 from dflash_trt.engine.request import Request, RequestParams
+from dflash_trt.engine.round import MAX_LOGPROBS
 from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.spec.penalties import validate_penalties
 from dflash_trt.spec.prompt import check_prompt_ids
@@ -91,6 +92,12 @@ class Admission:
                     field="stop_token_ids",
                     hint=f"use token ids in [0, {self.vocab_size})",
                 )
+        lp = params.logprobs
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS
+        ):
+            raise RequestError(f"logprobs={lp!r} must be an integer in [0, {MAX_LOGPROBS}]", field="logprobs",
+                               hint=f"send 0 (the token's own) to {MAX_LOGPROBS} alternatives, or omit it")  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model has none", field="stop",
                                hint="use stop_token_ids")  # fmt: skip
@@ -129,4 +136,5 @@ class Admission:
             repetition_penalty=float(params.repetition_penalty),
             logit_bias=tuple((int(t), float(b)) for t, b in params.logit_bias),
             min_p=float(params.min_p),
+            logprobs=params.logprobs,
         )

@@ -31,7 +31,7 @@ from dflash_trt.engine.admission import Admission
 from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
 from dflash_trt.engine.postprocess import StepUpdate, commit_tokens
 from dflash_trt.engine.request import Request, RequestParams
-from dflash_trt.engine.runner import ModelRunner
+from dflash_trt.engine.runner import ModelRunner, Prefilled
 
 if TYPE_CHECKING:
     from dflash_trt.engine.executor import Executor
@@ -123,17 +123,17 @@ class LLMEngine:
         return updates
 
     def _start(
-        self, reqs: list[Request], chunks: list[tuple[int, int]], firsts: list[int | None]
+        self, reqs: list[Request], chunks: list[tuple[int, int]], firsts: Prefilled
     ) -> list[StepUpdate]:
         """Prefilled chunks: a request whose prompt is complete starts decoding with its first token."""
         now, updates = time.perf_counter(), []
-        for req, (_, hi), tok in zip(reqs, chunks, firsts):
+        for req, (_, hi), tok, lp in zip(reqs, chunks, firsts.tokens, firsts.logprobs):
             req.prefilled = hi
             if tok is None:
                 continue
             self.scheduler.start_decoding(req)
             req.first_token_time = req.last_token_time = now
-            updates.append(self._postprocess(req, [tok], first=True))
+            updates.append(self._postprocess(req, [tok], first=True, logprobs=None if lp is None else [lp]))
         return updates
 
     def _round(self, reqs: list[Request]) -> list[StepUpdate]:
@@ -151,7 +151,10 @@ class LLMEngine:
             req.last_token_time = now
             if self.planner.trees:
                 req.tree_budgets.append(shape.budget)
-            updates.append(self._postprocess(req, [*out.drafts[i][:a], out.emitted[i]], accepted=a))
+            lps = out.logprobs[i][: a + 1] if out.logprobs is not None and req.logprobs is not None else None
+            updates.append(
+                self._postprocess(req, [*out.drafts[i][:a], out.emitted[i]], accepted=a, logprobs=lps)
+            )
         return updates
 
     def _forget_costs_on_new_compiled_rounds(self) -> None:
@@ -185,11 +188,13 @@ class LLMEngine:
                 updates.append(self._update(aborted, [], ""))
         return updates
 
-    def _postprocess(
-        self, req: Request, new: list[int], *, first: bool = False, accepted: int = 0
-    ) -> StepUpdate:
+    def _postprocess(self, req: Request, new: list[int], *, first: bool = False, accepted: int = 0,
+                     logprobs: list[Any] | None = None) -> StepUpdate:  # fmt: skip
         finish, stop_reason, tokens, text_delta = commit_tokens(req, new, tokenizer=self.tokenizer, first=first,
                                                                 accepted=accepted)  # fmt: skip
+        if logprobs is not None:  # one per new token; the stop rules may have kept fewer
+            req.token_logprobs.extend(logprobs)
+            del req.token_logprobs[len(req.output_ids) :]
         if finish is not None:
             self._finish(req, finish, stop_reason)
         return self._update(req, tokens, text_delta)

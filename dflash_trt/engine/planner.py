@@ -97,8 +97,9 @@ class RoundPlanner(NullPlanner):
     def plan(self, reqs: list[Request]) -> RoundShape:
         n, flags = len(reqs), round_flags(reqs)
         g = self._draft_len(n, reproducible=any(r.reproducible for r in reqs))
-        # a batch with penalties verifies the chain: a tree's nodes would each need their path's counts
-        budget = self.budgets.choose(n) if self._tree_round(g) and not flags[3] else 0
+        # a batch with penalties or log-probabilities verifies the chain: a tree's nodes would each need
+        # their path's counts, and the logits are per node, not per committed position
+        budget = self.budgets.choose(n) if self._tree_round(g) and not (flags[3] or flags[4]) else 0
         return RoundShape(g, budget, flags)
 
     def record(self, shape: RoundShape, batch_size: int, seconds: float, out: RoundOutput) -> None:

@@ -44,6 +44,7 @@ class RequestParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_p: float = 0.0
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Request:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    logprobs: int | None = None
     # sampled with the caller's seed: its tokens must not depend on what it is batched with, so its
     # rounds draft the full block (a draft length chosen by load would change its samples)
     reproducible: bool = False
@@ -80,7 +82,11 @@ class Request:
     stop_reason: int | str | None = None
     # speculative statistics
     acceptance_lengths: list[int] = field(default_factory=list)
-    tree_budgets: list[int] = field(default_factory=list)  # DDTree engines: each round's budget (0 = linear)
+    tree_budgets: list[int] = field(default_factory=list)
+    # with logprobs: per output token, (its log-probability, its rank, the most likely tokens with theirs)
+    token_logprobs: list[Any] = field(
+        default_factory=list
+    )  # DDTree engines: each round's budget (0 = linear)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_overturned_draft_tokens: int = 0  # DFlash 2: drafts the selector picked over the drafter's argmax

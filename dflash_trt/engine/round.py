@@ -62,6 +62,9 @@ from dflash_trt.spec.tree import (
     walk_tree,
 )
 
+# a committed token's log-probability, its rank, and the most likely tokens with theirs
+TokenLogprob = tuple[float, int, tuple[tuple[int, float], ...]]
+
 if TYPE_CHECKING:
     from dflash_trt.engine.draft_backend import DraftBackend
     from dflash_trt.engine.request import Request
@@ -122,28 +125,36 @@ def page_tables(pages: list[list[int]], width: int, device: torch.device) -> tor
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+# A round's compile-time sampling mode (`round_flags`): all greedy, any greedy, any top-k/top-p filter,
+# any penalty/bias/min-p, any request asking for log-probabilities.
+Flags = tuple[bool, bool, bool, bool, bool]
+MAX_LOGPROBS = 20  # top alternatives a round reports per token (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class RoundShape:
     """What makes one round's graph differ from another's besides the batch and context sizes."""
 
     g: int  # drafts per request (block - 1; 0 = plain decoding)
     budget: int  # DDTree nodes per request (0 = linear)
-    flags: tuple[bool, bool, bool, bool]  # the batch's sampling mode (`round_flags`)
+    flags: Flags  # the batch's sampling mode (`round_flags`)
 
     def kwargs(self) -> dict[str, Any]:
         return {"g": self.g, "flags": self.flags, "budget": self.budget}
 
 
-def round_flags(reqs: list[Request]) -> tuple[bool, bool, bool, bool]:
+def round_flags(reqs: list[Request]) -> Flags:
     """(all greedy, any greedy, any top-k/top-p, any penalty/bias/min-p): a round's compile-time
     sampling mode. Few modes, so that compiled and captured rounds need few variants: all-greedy
     batches take the argmax path; every other batch takes the sampling path, which handles greedy rows
     exactly (one-hot distributions), with the sorting filter only when a request asks for it; the
-    penalties' pass (spec/penalties.py) runs only in a batch where some request asks for it."""
+    penalties' pass (spec/penalties.py) runs only in a batch where some request asks for it, and so do
+    the log-probabilities (the fifth flag)."""
     processed = any(s.processed for s in reqs)
+    logprobs = any(s.logprobs is not None for s in reqs)
     if all(s.temperature == 0 for s in reqs):
-        return True, True, False, processed
-    return False, True, any(s.needs_filter for s in reqs), processed
+        return True, True, False, processed, logprobs
+    return False, True, any(s.needs_filter for s in reqs), processed, logprobs
 
 
 @dataclass
@@ -155,6 +166,9 @@ class RoundOutput:
     path: list[list[int]]  # node index at depth 0..g along the accepted path (the chain: 0..g)
     overturned: list[int]  # DFlash 2: valid draft slots whose selector pick is not the drafter's argmax
     tree_budget: int = 0  # the round's DDTree budget (0 = linear DFlash)
+    # per sequence, per committed position 0..g: (logprob, rank, ((token, logprob), ...)) of the token the
+    # position committed, when a request of the batch asked for log-probabilities (`token_logprobs`)
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 @dataclass
@@ -234,7 +248,7 @@ class RoundParts:
         min_p: torch.Tensor,
         *,
         g: int,
-        flags: tuple[bool, bool, bool, bool],
+        flags: Flags,
         budget: int = 0,
     ) -> torch.Tensor:
         """One round over the `RoundInputs` these tensors make (its fields, in order) -> `stack`'s
@@ -378,7 +392,7 @@ class _Sampling:
     """A round's per-request sampling tensors ([bs] each) and the batch's static flags."""
 
     inputs: RoundInputs
-    flags: tuple[bool, bool, bool, bool]  # (all greedy, any greedy, any top-k/top-p, any penalty/min-p)
+    flags: Flags  # (all greedy, any greedy, any top-k/top-p, any penalty/min-p)
 
     @property
     def all_greedy(self) -> bool:
@@ -386,7 +400,7 @@ class _Sampling:
 
     def probs(self, logits: torch.Tensor, *, per_row: int) -> torch.Tensor:
         """logits [bs * per_row, V] -> processed probabilities (each request's row repeated)."""
-        _, any_greedy, needs_filter, processed = self.flags
+        _, any_greedy, needs_filter, processed, _ = self.flags
         x = self.inputs
         min_p = x.min_p.repeat_interleave(per_row) if processed else None
         return logits_to_probs(logits, x.temps.repeat_interleave(per_row), x.top_k.repeat_interleave(per_row),
@@ -416,9 +430,7 @@ def _block(p: RoundParts, x: RoundInputs, g: int) -> _Block:
     return _Block(pos, context_index(x.tables, p.page_size), x.tables.shape[1] * p.page_size - 1)
 
 
-def round_chain(
-    p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool, bool], t_draft: float
-) -> torch.Tensor:
+def round_chain(p: RoundParts, x: RoundInputs, g: int, flags: Flags, t_draft: float) -> torch.Tensor:
     """Linear DFlash (or plain decoding, g = 0): draft the chain, verify it, accept a prefix."""
     blk, sampling = _block(p, x, g), _Sampling(x, flags)
     bs, dev = x.anchors.shape[0], x.anchors.device
@@ -437,12 +449,13 @@ def round_chain(
     acc, emit = _accept(p, drafted, logits, blk, d_valid, sampling)
     if flags[3]:
         _count_committed(p, x, drafted.tokens, acc, emit)
+    extras = token_logprobs(logits, _committed(drafted.tokens, acc, emit)[0]) if flags[4] else None
     p.add_phases(t_draft, t_verify, t_accept)
     chain = torch.arange(g + 1, device=dev).expand(bs, g + 1)  # node j sits at depth j
-    return stack(acc, emit, x.block_lens - 1, overturned, drafted.tokens, chain)
+    return stack(acc, emit, x.block_lens - 1, overturned, drafted.tokens, chain, extras)
 
 
-def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: tuple[bool, bool, bool, bool], budget: int,
+def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: Flags, budget: int,
                t_draft: float) -> torch.Tensor:  # fmt: skip
     """DDTree: draft, build each request's tree of `budget` nodes, verify it, walk it, commit."""
     blk = _block(p, x, g)
@@ -476,13 +489,32 @@ def _count_committed(
 ) -> None:
     """The round's committed tokens (accepted drafts, then the emitted one) into the penalty counts."""
     assert p.penalties is not None
+    tokens, valid = _committed(drafts, acc, emit)
+    p.penalties.add(x.rows, tokens, valid)
+
+
+def _committed(
+    drafts: torch.Tensor, acc: torch.Tensor, emit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token each block position commits ([bs, g + 1]: the accepted drafts, then the emitted token
+    at position acc) and which positions commit one (those up to acc)."""
     g = drafts.shape[1]
-    tokens = torch.cat([drafts, emit[:, None]], dim=1)  # [bs, g + 1]
+    tokens = torch.cat([drafts, emit[:, None]], dim=1)
     cols = torch.arange(g + 1, device=drafts.device)[None, :]
-    tokens = torch.where(
-        cols == acc[:, None], emit[:, None], tokens
-    )  # the emitted token sits after the accepted
-    p.penalties.add(x.rows, tokens, cols <= acc[:, None])
+    return torch.where(cols == acc[:, None], emit[:, None], tokens), cols <= acc[:, None]
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """logits [bs, n, V] (after penalties and bias, before temperature) and the tokens chosen at those
+    positions [bs, n] -> [bs, n * (2 + 2K)] float64: per position the chosen token's log-probability and
+    rank (1 = the most likely), then the K most likely tokens and their log-probabilities."""
+    bs, vocab = logits.shape[0], logits.shape[-1]
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    lp = lsm.gather(-1, chosen[..., None])  # [bs, n, 1]
+    rank = (lsm > lp).sum(dim=-1, keepdim=True) + 1
+    top_lp, top_ids = lsm.topk(min(MAX_LOGPROBS, vocab), dim=-1)
+    cols = (lp.double(), rank.double(), top_ids.double(), top_lp.double())
+    return torch.cat(cols, dim=-1).reshape(bs, -1)
 
 
 def inject(p: RoundParts, x: RoundInputs) -> None:
@@ -599,10 +631,10 @@ def _verify_tree(p: RoundParts, tree: DraftTree, x: RoundInputs,
 
 
 def _accept_tree(p: RoundParts, tree: DraftTree, logits: torch.Tensor, x: RoundInputs,
-                 flags: tuple[bool, bool, bool, bool], g: int) -> TreeWalk:  # fmt: skip
+                 flags: Flags, g: int) -> TreeWalk:  # fmt: skip
     """The target's own token at every node (argmax, or a sample with the uniform of the position
     it fills), then the walk from the root along those choices."""
-    all_greedy, any_greedy, needs_filter, _ = flags  # trees never run with penalties (the planner)
+    all_greedy, any_greedy, needs_filter, _, _ = flags  # trees never run with penalties or logprobs (planner)
     chosen = target_tokens(
         logits, tree, x.starts, x.seeds, x.temps, x.top_k, x.top_p,
         all_greedy=all_greedy, any_greedy=any_greedy, needs_filter=needs_filter, native=p.native_uniform,
@@ -643,20 +675,38 @@ def _accept(p: RoundParts, drafted: _Drafted, logits: torch.Tensor, blk: _Block,
 
 
 def stack(accepted: torch.Tensor, emitted: torch.Tensor, drafted: torch.Tensor, overturned: torch.Tensor,
-          drafts: torch.Tensor, path: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """[bs] x 4, drafts [bs, g], path [bs, g + 1] -> [bs, 2g + 5] long: one tensor, one read-back."""
+          drafts: torch.Tensor, path: torch.Tensor, extras: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """[bs] x 4, drafts [bs, g], path [bs, g + 1] -> [bs, 2g + 5] long: one tensor, one read-back. With
+    `extras` (`token_logprobs`) they follow those columns, all float64 (token ids are exact in it)."""
     columns = (accepted[:, None], emitted[:, None], drafted[:, None], overturned[:, None], drafts, path)
-    return torch.cat([c.long() for c in columns], dim=1)
+    if extras is None:
+        return torch.cat([c.long() for c in columns], dim=1)
+    return torch.cat([*(c.double() for c in columns), extras], dim=1)
 
 
-def unstack(rows: list[list[int]], g: int, budget: int) -> RoundOutput:
+def unstack(rows: list[list[Any]], g: int, budget: int) -> RoundOutput:
     """`stack`'s rows (read back as lists) -> RoundOutput."""
-    return RoundOutput(
-        accepted=[r[0] for r in rows],
-        emitted=[r[1] for r in rows],
-        drafted=[r[2] for r in rows],
-        overturned=[r[3] for r in rows],
-        drafts=[r[4 : 4 + g] for r in rows],
-        path=[r[4 + g :] for r in rows],
+    ids = [[int(v) for v in r[: 2 * g + 5]] for r in rows]
+    out = RoundOutput(
+        accepted=[r[0] for r in ids],
+        emitted=[r[1] for r in ids],
+        drafted=[r[2] for r in ids],
+        overturned=[r[3] for r in ids],
+        drafts=[r[4 : 4 + g] for r in ids],
+        path=[r[4 + g :] for r in ids],
         tree_budget=budget,
     )
+    if rows and len(rows[0]) > 2 * g + 5:
+        out.logprobs = [parse_logprobs(r[2 * g + 5 :], g + 1) for r in rows]
+    return out
+
+
+def parse_logprobs(values: list[float], n: int) -> list[TokenLogprob]:
+    """`token_logprobs`' columns of n positions -> (logprob, rank, top alternatives) per position."""
+    width = len(values) // n
+    k = (width - 2) // 2
+    out = []
+    for j in range(n):
+        v = values[j * width : (j + 1) * width]
+        out.append((v[0], int(v[1]), tuple((int(t), lp) for t, lp in zip(v[2 : 2 + k], v[2 + k :]))))
+    return out

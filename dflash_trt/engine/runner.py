@@ -9,11 +9,20 @@ executor run it (engine/executor.py) and reads its results back once, as a `Roun
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from dflash_trt.engine.round import RoundInputs, RoundOutput, RoundShape, page_tables, unstack
+from dflash_trt.engine.round import (
+    RoundInputs,
+    RoundOutput,
+    RoundShape,
+    TokenLogprob,
+    page_tables,
+    parse_logprobs,
+    token_logprobs,
+    unstack,
+)
 from dflash_trt.layers.kv_cache import pages_for
 from dflash_trt.spec.penalties import penalize
 from dflash_trt.spec.sampling import PURPOSE_EMIT, logits_to_probs, sample_from_probs, uniform
@@ -22,6 +31,14 @@ if TYPE_CHECKING:
     from dflash_trt.engine.executor import Executor
     from dflash_trt.engine.request import Request
     from dflash_trt.engine.round import RoundParts
+
+
+class Prefilled(NamedTuple):
+    """A prefill pass's first tokens (None where the prompt is not complete yet) and their
+    log-probabilities (None where not asked for)."""
+
+    tokens: list[int | None]
+    logprobs: list[TokenLogprob | None]
 
 
 class ModelRunner:
@@ -33,11 +50,12 @@ class ModelRunner:
         self.times = parts.times
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request], chunks: list[tuple[int, int]]) -> list[int | None]:
+    def prefill(self, reqs: list[Request], chunks: list[tuple[int, int]]) -> Prefilled:
         """Run prompt chunks [lo, hi) of several sequences in one padded pass.
 
         Writes target K/V, injects the chunk's context into the draft cache, and returns the first
-        generated token for sequences whose prompt is now complete (None for the others).
+        generated token for sequences whose prompt is now complete (None for the others), with its
+        log-probabilities where the request asked for them.
         """
         t0 = time.perf_counter()
         bs, dev = len(reqs), self.device
@@ -57,6 +75,7 @@ class ModelRunner:
         logits = self.executor.prefill((ids.to(dev), pos.to(dev), valid.to(dev), tables, seq_lens, last))
         done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(reqs, chunks)]
         firsts: list[int | None] = [None] * bs
+        logprobs: list[TokenLogprob | None] = [None] * bs
         if any(done):
             processed = [s.processed and d for s, d in zip(reqs, done)]
             if any(processed) or self.parts.penalties is not None:
@@ -65,9 +84,19 @@ class ModelRunner:
             firsts = [tok if d else None for tok, d in zip(tokens, done)]
             if any(processed):
                 self._count_first(reqs, processed, tokens)
+            if any(s.logprobs is not None and d for s, d in zip(reqs, done)):
+                logprobs = self._first_logprobs(reqs, done, logits, tokens)
         self.parts.sync()
         self.times.prefill_s += time.perf_counter() - t0
-        return firsts
+        return Prefilled(firsts, logprobs)
+
+    def _first_logprobs(self, reqs: list[Request], done: list[bool], logits: torch.Tensor,
+                        tokens: list[int]) -> list[TokenLogprob | None]:  # fmt: skip
+        """The first tokens' log-probabilities (after penalties and bias), as a round reports them."""
+        chosen = torch.tensor(tokens, device=self.device)[:, None]
+        rows = token_logprobs(logits[:, None, :], chosen).tolist()
+        return [parse_logprobs(r, 1)[0] if d and s.logprobs is not None else None
+                for s, d, r in zip(reqs, done, rows)]  # fmt: skip
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor, seq_lens: torch.Tensor, *,
                       min_p: bool) -> list[int]:  # fmt: skip
