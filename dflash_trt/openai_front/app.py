@@ -178,7 +178,7 @@ async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
             out = P.Outcome()
             async for piece in pieces:
                 _fold(out, piece, delta=False)
-            return _json(P.full_response(gen, rid, created, out))
+            return _json(P.full_response(gen, rid, created, out, _token_text(request.app[KEY_CHAT])))
         # The first response decides the status: a request the model refuses is a 400, not an SSE error.
         first = await anext(pieces)
         resp = web.StreamResponse(
@@ -208,6 +208,15 @@ def _fold(out: P.Outcome, piece: Piece, *, delta: bool) -> None:
     if piece.final:
         out.finish_reason = piece.finish_reason
         out.stats = piece.stats
+    if piece.logprobs is not None:
+        out.logprobs = piece.logprobs
+
+
+def _token_text(chat: ChatTemplate | None) -> Any:
+    """A token id's text (its own decoding, special tokens included), or "token_id:N" without a tokenizer."""
+    if chat is None or chat.tokenizer is None:
+        return lambda t: f"token_id:{t}"
+    return lambda t: chat.tokenizer.decode([t], skip_special_tokens=False)
 
 
 async def _event(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -13,8 +13,9 @@ Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_
 `stop` (strings), `n=1`, `stream`, `stream_options.include_usage`, `frequency_penalty`,
 `presence_penalty`, `logit_bias` (token-id strings -> bias); extensions as in vLLM: `stop_token_ids`,
 `ignore_eos`, `min_tokens`, `repetition_penalty`, `min_p`, `stream_options.continuous_usage_stats` (usage
-on every chunk), `chat_template_kwargs`. Refused with 400: `n>1`, `best_of>1`, log-probabilities,
-`echo`, `suffix`, tools/functions, `response_format` other than text, non-text content, token-id prompts,
+on every chunk), `chat_template_kwargs`, log-probabilities (completions' `logprobs: 0..5`, chat's
+`logprobs: true` with `top_logprobs: 0..20`; not streamed yet). Refused with 400: `n>1`, `best_of>1`,
+`logprobs` with `stream`, `echo`, `suffix`, tools/functions, `response_format` other than text, non-text content, token-id prompts,
 and any key not listed here.
 """
 
@@ -98,6 +99,7 @@ class Generation:
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # alternatives per token (completions' logprobs, chat's top_logprobs)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -115,7 +117,6 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),  # meaningless without tools
-    "top_logprobs": (None, 0),
     "audio": (None,),
     "modalities": (None,),
     "prediction": (None,),
@@ -133,7 +134,6 @@ _WHY = {
     "tool_choice": ("tool calling is not supported", "omit tool_choice"),
     "function_call": ("function calling is not supported", "omit function_call"),
     "parallel_tool_calls": ("tool calling is not supported", "omit parallel_tool_calls"),
-    "top_logprobs": ("log-probabilities are not computed", "omit top_logprobs"),
     "audio": ("audio output is not supported", "omit audio"),
     "modalities": ("only text output is supported", 'omit modalities or send ["text"]'),
     "prediction": ("predicted outputs are not supported", "omit prediction"),
@@ -152,7 +152,7 @@ _PENALTIES = {"frequency_penalty": "send a number in [-2, 2]; 0 = off", "presenc
 _COMPLETIONS_KEYS = _COMMON | {"prompt"} | set(_OFF_ONLY) | _IGNORED
 _CHAT_KEYS = (
     _COMMON
-    | {"messages", "max_completion_tokens", "response_format", "chat_template_kwargs"}
+    | {"messages", "max_completion_tokens", "response_format", "chat_template_kwargs", "top_logprobs"}
     | set(_OFF_ONLY)
     | _IGNORED
 )
@@ -274,6 +274,44 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return out
 
 
+def _chat_logprobs(body: dict[str, Any], gen: Generation) -> None:
+    """Chat's logprobs (a boolean) and top_logprobs (0..20 alternatives per token, only with logprobs)."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad("logprobs", on, "must be true or false", "send logprobs: true and top_logprobs: 0..20")
+    if top is not None and not on:
+        raise bad("top_logprobs", top, "needs logprobs: true", "send logprobs: true, or omit top_logprobs")
+    if on:
+        gen.logprobs = _int(body, "top_logprobs", lo=0, hi=20, fix="send an integer in [0, 20]") or 0
+        _no_stream_logprobs(gen, "logprobs")
+
+
+def _no_stream_logprobs(gen: Generation, key: str) -> None:
+    if gen.stream:
+        raise bad(key, True, "log-probabilities are not streamed yet", "send stream: false with logprobs")
+
+
+def logprobs_body(gen: Generation, o: Outcome, token_text: Any) -> dict[str, Any] | None:
+    """OpenAI's logprobs object of a response: completions' {tokens, token_logprobs, top_logprobs,
+    text_offset}, chat's {content: [{token, logprob, bytes, top_logprobs}]}. `token_text(id)` names a token."""
+    if gen.logprobs is None or o.logprobs is None:
+        return None
+    k = gen.logprobs
+    if gen.kind == "chat":
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            text = token_text(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top[:k]]}
+                            for t, lp, top in o.logprobs]}  # fmt: skip
+    tokens = [token_text(t) for t, _, _ in o.logprobs]
+    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in o.logprobs],
+            "top_logprobs": [{token_text(a): alp for a, alp in top[:k]} for _, _, top in o.logprobs],
+            "text_offset": offsets}  # fmt: skip
+
+
 def _max_tokens(gen: Generation, key: str, value: Any) -> None:
     """max_tokens (or chat's max_completion_tokens), as far as the INT32 input carries it."""
     if value is None:
@@ -297,8 +335,10 @@ def _begin(body: Any, served: list[str], *, kind: str) -> tuple[dict[str, Any], 
 def parse_completions(body: Any, served: list[str]) -> Generation:
     """POST /v1/completions."""
     body, gen = _begin(body, served, kind="completions")
-    if body.get("logprobs") not in (None, 0):
-        raise bad("logprobs", body.get("logprobs"), "log-probabilities are not computed", "omit logprobs")
+    lp = body.get("logprobs")
+    if lp is not None:  # OpenAI's completions: 0..5 alternatives per token
+        gen.logprobs = _int(body, "logprobs", lo=0, hi=5, fix="send an integer in [0, 5]")
+        _no_stream_logprobs(gen, "logprobs")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -321,13 +361,7 @@ def parse_completions(body: Any, served: list[str]) -> Generation:
 def parse_chat(body: Any, served: list[str]) -> Generation:
     """POST /v1/chat/completions (the prompt text is rendered later by the chat template)."""
     body, gen = _begin(body, served, kind="chat")
-    if body.get("logprobs") not in (None, False):
-        raise bad(
-            "logprobs",
-            body.get("logprobs"),
-            "log-probabilities are not computed",
-            "omit logprobs or send false",
-        )
+    _chat_logprobs(body, gen)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", fmt, "structured output is not supported",
@@ -442,6 +476,7 @@ class Outcome:
     completion_tokens: int = 0
     finish_reason: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
 
 
 def usage(o: Outcome) -> dict[str, int]:
@@ -465,18 +500,22 @@ def finish_reason(value: str | None) -> str | None:
     return value if value in ("stop", "length") else "stop"
 
 
-def full_response(gen: Generation, rid: str, created: int, o: Outcome) -> dict[str, Any]:
+def full_response(
+    gen: Generation, rid: str, created: int, o: Outcome, token_text: Any = None
+) -> dict[str, Any]:
+    """token_text(id): a token's text, for log-probabilities."""
     fr = finish_reason(o.finish_reason) or "stop"
+    logprobs = logprobs_body(gen, o, token_text or (lambda t: f"token_id:{t}"))
     if gen.kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": o.text, "refusal": None},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": fr,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "text": o.text, "logprobs": logprobs, "finish_reason": fr}
         obj = "text_completion"
     return {
         "id": rid,

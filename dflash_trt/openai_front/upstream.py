@@ -45,6 +45,8 @@ class Piece:
     finish_reason: str | None
     final: bool
     stats: dict[str, Any] = field(default_factory=dict)
+    # with logprobs: per token of this response, (token id, log-probability, ((id, log-probability), ...))
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
 
 
 def _first_values(response: Any) -> dict[str, Any]:
@@ -200,6 +202,8 @@ class Upstream:
             values.append(("sampling_param_ignore_eos", "BOOL", [True]))
         if gen.min_tokens is not None:
             values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
+        if gen.logprobs is not None:
+            values.append(("sampling_param_logprobs", "INT32", [gen.logprobs]))
         for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
             if getattr(gen, name) is not None:
                 values.append((f"sampling_param_{name}", "FP32", [getattr(gen, name)]))
@@ -305,4 +309,18 @@ def _piece(response: Any) -> Piece:
     )
     if final:
         piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
+    if "output_log_probs" in values:
+        piece.logprobs = _logprobs(response)
     return piece
+
+
+def _logprobs(response: Any) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
+    """The log-probability outputs of a response (output_token_ids, output_log_probs, output_top_*)."""
+    raws = response.raw_output_contents
+    arrays = {o.name: np.frombuffer(raws[i], dtype="<i4" if o.datatype == "INT32" else "<f4")
+              for i, o in enumerate(response.outputs) if o.name.startswith("output_")}  # fmt: skip
+    ids, lps = arrays["output_token_ids"].tolist(), arrays["output_log_probs"].tolist()
+    top_ids, top_lps = arrays["output_top_token_ids"].tolist(), arrays["output_top_log_probs"].tolist()
+    k = len(top_ids) // len(ids) if ids else 0
+    return [(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
+            for j, (t, lp) in enumerate(zip(ids, lps))]  # fmt: skip

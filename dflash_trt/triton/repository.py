@@ -67,6 +67,7 @@ INPUTS: tuple[Port, ...] = (
     Port("sampling_param_repetition_penalty", "TYPE_FP32", (1,), ours=True),
     Port("sampling_param_min_p", "TYPE_FP32", (1,), ours=True),
     Port("sampling_param_logit_bias", "TYPE_STRING", (1,), ours=True),  # JSON: token id -> bias
+    Port("sampling_param_logprobs", "TYPE_INT32", (1,), ours=True),  # k alternatives per token
     Port("streaming_delta", "TYPE_BOOL", (1,), ours=True),
 )
 
@@ -92,6 +93,10 @@ OUTPUTS: tuple[Port, ...] = (
     Port("mean_acceptance_length", "TYPE_FP32", (1,), ours=True),
     Port("num_rounds", "TYPE_INT32", (1,), ours=True),
     Port("total_overturned_draft_tokens", "TYPE_INT32", (1,), ours=True),
+    Port("output_token_ids", "TYPE_INT32", (-1,), ours=True),  # with sampling_param_logprobs
+    Port("output_log_probs", "TYPE_FP32", (-1,), ours=True),  # per token of the response
+    Port("output_top_token_ids", "TYPE_INT32", (-1,), ours=True),  # k per token, the most likely first
+    Port("output_top_log_probs", "TYPE_FP32", (-1,), ours=True),
 )
 
 ENGINES = ("dflash_trt", "tensorrt_llm")

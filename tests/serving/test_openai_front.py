@@ -194,7 +194,8 @@ def test_seeded_sampling_is_reproducible(client) -> None:
 BAD_COMPLETIONS = [
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 9}, "logprobs"),  # completions carry 0..5
+    ({"logprobs": 1, "stream": True}, "logprobs"),  # not streamed yet
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
     ({"presence_penalty": 2.5}, "presence_penalty"),  # the engine's range, named through Triton
@@ -222,8 +223,9 @@ BAD_COMPLETIONS = [
 ]
 BAD_CHAT = [
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
@@ -284,6 +286,31 @@ def test_penalties_bias_and_min_p_are_served_as_the_llm_api_generates(client) ->
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CHAT}], max_tokens=6,
                                        temperature=0, logit_bias={str(x): 100})  # fmt: skip
     assert r.choices[0].message.content == "x" * 6
+
+
+def test_logprobs_on_both_endpoints_are_the_llm_apis(client) -> None:
+    """Completions' logprobs: k and chat's logprobs with top_logprobs: the served (DFlash) numbers are the
+    LLM API's for the same greedy tokens, in OpenAI's shapes."""
+    from dflash_trt import LLM, SamplingParams
+
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        want = llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, logprobs=3))
+    comp = want.outputs[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == comp.text
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 12
+    for got, tok, row in zip(lp.token_logprobs, comp.token_ids, comp.logprobs):
+        assert abs(got - row[tok].logprob) < 1e-4
+    assert all(len(top) == 3 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CHAT}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = c.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == c.choices[0].message.content
+    assert all(
+        len(e.top_logprobs) == 2 and e.logprob <= 0 and e.bytes == list(e.token.encode()) for e in content
+    )
 
 
 def test_the_engine_decides_what_values_mean(client) -> None:

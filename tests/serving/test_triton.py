@@ -99,6 +99,25 @@ def test_penalty_bias_and_min_p_inputs_over_http_and_grpc(server):
     assert results[-1][1] is None and results[-1][0].as_numpy("text_output")[0].decode() == "x" * 5
 
 
+def test_log_probabilities_over_http(server):
+    """sampling_param_logprobs = k: the tokens, their log-probabilities and the k most likely tokens' per
+    token; return_cumulative_logprob (NVIDIA's input): their sum."""
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 8, "sampling_param_ignore_eos": True,
+            "sampling_param_logprobs": 2, "return_cumulative_logprob": True}  # fmt: skip
+    out = http_generate(server, body).json()
+    ids, lps = out["output_token_ids"], out["output_log_probs"]
+    assert (
+        len(ids) == len(lps) == 8
+        and len(out["output_top_token_ids"]) == len(out["output_top_log_probs"]) == 16
+    )
+    assert out["cumulative_logprob"] == pytest.approx(sum(lps), abs=1e-4)
+    assert all(lp <= 0 for lp in lps) and out["output_top_log_probs"][0] >= out["output_top_log_probs"][1]
+    only_sum = http_generate(server, {k: v for k, v in body.items() if k != "sampling_param_logprobs"}).json()
+    assert "output_log_probs" not in only_sum and only_sum["cumulative_logprob"] == pytest.approx(
+        out["cumulative_logprob"]
+    )
+
+
 def test_concurrent_clients(server):
     prompts = [f"x{i} = " for i in range(12)]
     expected = {p: http_generate(server, {"text_input": p, "sampling_param_max_tokens": 12,
@@ -166,10 +185,7 @@ def test_metrics_endpoint_exposes_dflash_metrics(server):
             "temperature=-1.0: must be a finite number >= 0",
         ),
         ({"text_input": "", "sampling_param_max_tokens": 4}, "text_input is empty"),
-        (
-            {"text_input": "x", "return_cumulative_logprob": True},
-            "return_cumulative_logprob is not supported",
-        ),
+        ({"text_input": "x", "sampling_param_logprobs": 21}, "logprobs=21"),
         ({"text_input": "x", "sampling_param_frequency_penalty": 5.0}, "frequency_penalty=5.0"),
         (
             {"text_input": "x", "sampling_param_logit_bias": "[1]"},

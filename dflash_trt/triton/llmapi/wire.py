@@ -53,6 +53,7 @@ SAMPLING_INPUTS = {
     "sampling_param_repetition_penalty": "repetition_penalty",
     "sampling_param_min_p": "min_p",
     "sampling_param_logit_bias": "logit_bias",  # a JSON object from token ids to biases
+    "sampling_param_logprobs": "logprobs",  # k: each token's log-probability and the k most likely tokens'
 }
 LIST_FIELDS = {"stop", "stop_token_ids"}
 FLAG_INPUTS = ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
@@ -100,6 +101,7 @@ class ParsedRequest:
     want_metrics: bool  # the client asked for the perf-metric outputs
     include_input: bool  # token_ids echo the prompt (exclude_input_from_output=False)
     flags: dict[str, bool]
+    logprobs_implied: bool = False  # logprobs set only because return_cumulative_logprob asked for the sum
 
 
 def error_text(message: str, kind: str, *, field: str | None = None) -> str:
@@ -200,6 +202,9 @@ class WireCodec:
         prompt = self._prompt(request)
         kwargs = self._sampling_kwargs(request)
         flags = self._flags(request)
+        implied = bool(flags.get("return_cumulative_logprob")) and kwargs.get("logprobs") is None
+        if implied:
+            kwargs["logprobs"] = 0  # the tokens' own log-probabilities are what the sum needs
         want_metrics = bool(kwargs.get("return_perf_metrics", False))
         kwargs["return_perf_metrics"] = True  # always measured: it feeds the DFlash metrics
         try:
@@ -213,6 +218,7 @@ class WireCodec:
             want_metrics=want_metrics,
             include_input=sampling.exclude_input_from_output is False,
             flags=flags,
+            logprobs_implied=implied,
         )
 
     def _read(self, request: Any, name: str) -> Any:
@@ -284,10 +290,6 @@ class WireCodec:
         for name in UNSUPPORTED_INPUTS:
             if self._read(request, name) is not None:
                 raise RequestInputError(f"{name} is not supported (text-only, no LoRA adapters)", field=name)
-        if flags.get("return_cumulative_logprob"):
-            raise RequestInputError(
-                "return_cumulative_logprob is not supported (no log-probabilities are computed)"
-            )
         if flags.get("streaming") and not self._decoupled:
             raise RequestInputError("streaming=true needs a decoupled model (triton_config.decoupled: true)")
         return flags
@@ -315,7 +317,37 @@ class WireCodec:
             values = perf_values(comp.request_perf_metrics)
             for name, dtype in PERF_OUTPUTS:
                 tensors.append(pb.Tensor(name, np.array([values[name]], dtype=dtype)))
+        if getattr(comp, "logprobs", None) is not None:
+            tensors += self._logprob_tensors(comp, parsed)
         return pb.InferenceResponse(output_tensors=tensors)
+
+    def _logprob_tensors(self, comp: Any, parsed: ParsedRequest) -> list[Any]:
+        """cumulative_logprob (NVIDIA's) when asked; with sampling_param_logprobs = k, per token of the
+        response (the new ones with streaming_delta): output_log_probs [n], and the k most likely tokens
+        with theirs, output_top_token_ids / output_top_log_probs [n * k], and the tokens themselves,
+        output_token_ids [n] (ours)."""
+        pb, out = self._pb, []
+        if parsed.flags.get("return_cumulative_logprob"):
+            out.append(pb.Tensor("cumulative_logprob", np.array([comp.cumulative_logprob], dtype=np.float32)))
+        k = parsed.sampling.logprobs
+        if k is None or parsed.logprobs_implied:
+            return out
+        n = len(comp.token_ids_diff) if parsed.flags.get("streaming_delta") else len(comp.logprobs)
+        rows = comp.logprobs[len(comp.logprobs) - n :]
+        toks = list(comp.token_ids)[len(comp.token_ids) - n :]
+        own = [row[t].logprob for t, row in zip(toks, rows)]
+        top = [
+            sorted(((lp.rank, t, lp.logprob) for t, lp in row.items() if lp.rank <= k))[:k] for row in rows
+        ]
+        out.append(pb.Tensor("output_token_ids", np.array(toks, dtype=np.int32)))
+        out.append(pb.Tensor("output_log_probs", np.array(own, dtype=np.float32)))
+        out.append(
+            pb.Tensor("output_top_token_ids", np.array([t for r in top for _, t, _ in r], dtype=np.int32))
+        )
+        out.append(
+            pb.Tensor("output_top_log_probs", np.array([lp for r in top for _, _, lp in r], dtype=np.float32))
+        )
+        return out
 
     def send_final(self, sender: Any, response: Any) -> None:
         sender.send(response, flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
