@@ -1,18 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What penalties cost a DFlash round: the same batch of greedy requests with and without
-presence/frequency/repetition penalties and a logit bias, in one engine, interleaved, as round-time
-ratios taken in one run (issue #44's goal: a penalized round at most 1.10x an unpenalized one).
+"""What penalties (or log-probabilities) cost a DFlash round: the same batch of greedy requests with and
+without presence/frequency/repetition penalties and a logit bias (--feature penalties), or with and
+without logprobs=5 (--feature logprobs), in one engine, interleaved, as round-time ratios taken in one
+run (issue #44's goals: a penalized round, and a round with logprobs=5, at most 1.10x a plain one).
 
   engine   `LLM(TARGET)` with its packaged drafter drafting the full block (pinned: both kinds run the same
            round shape), default settings unless --eager / --compile
   batch    B of the pair's held-out prompts at once, greedy, ignore_eos, --max-tokens each
-  figures  (a) the penalty work a round adds: the time in the round's two penalty steps (the pass over
-           the block's logits and the count of the committed tokens), timed inside the engine, per
-           penalized round, over the plain round's time: (plain + added) / plain is the penalized round's
+  figures  (a) the work a round adds: the time in the round's penalty steps (the pass over the block's
+           logits, the count of the committed tokens) or its log-probability steps (log-softmax, rank and
+           top-k over the block's logits; their parse after the read-back), timed where they run, per
+           round of that kind, over the plain round's time: (plain + added) / plain is the penalized round's
            cost in the same state, the goal's ratio; (b) end to end, seconds per round of each kind
            (`runner.times`: round_s / rounds) over --repeats calls, alternating. (b) is confounded: the
            penalties change the outputs, so the kinds run different numbers of rounds at different batch
-           sizes as requests finish; (a) is not. A penalized batch verifies the chain, and its shape class
+           sizes as requests finish; (a) is not. Log-probabilities do not change the tokens: for them (b)
+           is clean too. A penalized batch verifies the chain, and its shape class
            is not compiled by the warm-up (with compiled rounds it runs eagerly: serving freezes the
            classes after the warm-up); --eager compares like with like.
 
@@ -46,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--eager", dest="compile", action="store_false", default=None)
     mode.add_argument("--compile", dest="compile", action="store_true")
+    p.add_argument("--feature", choices=("penalties", "logprobs"), default="penalties")
     p.add_argument("--out", type=Path, help="also write the result as JSON to this file")
     return p.parse_args(argv)
 
@@ -63,9 +67,16 @@ def measure(llm: Any, prompts: list[str], args: argparse.Namespace) -> dict[str,
 
     base = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0.0}
     plain = SamplingParams(**base)
-    penalized = SamplingParams(**base, **PENALTIES, logit_bias={7: -2.0, 11: 1.5})  # ids every vocabulary has
+    if args.feature == "penalties":
+        penalized = SamplingParams(
+            **base, **PENALTIES, logit_bias={7: -2.0, 11: 1.5}
+        )  # ids every vocabulary has
+        steps = ("_penalize_block", "_count_committed")
+    else:
+        penalized = SamplingParams(**base, logprobs=5)
+        steps = ("token_logprobs", "parse_logprobs")
     added = [0.0]
-    for name in ("_penalize_block", "_count_committed"):  # the round's penalty steps, timed where they run
+    for name in steps:  # the round's steps of the feature, timed where they run
         setattr(round_mod, name, _timed(getattr(round_mod, name), added))
     _per_round(llm, prompts, plain)  # warm-up: allocations, the penalty buffers
     _per_round(llm, prompts, penalized)
@@ -112,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                 **measure(llm, texts[:bs], args),
             }
         results.append(point)
-        print(f"batch {bs:>3}: plain round {point['plain_ms_per_round']:.2f} ms, penalty work "
-              f"{point['added_ms_per_round']:.2f} ms a penalized round: ratio {point['ratio']:.3f}; end to end "
-              f"{point['penalized_ms_per_round']:.2f} ms/round ({point['end_to_end_ratio']:.3f}, confounded) "
+        print(f"batch {bs:>3}: plain round {point['plain_ms_per_round']:.2f} ms, {args.feature} work "
+              f"{point['added_ms_per_round']:.2f} ms a round: ratio {point['ratio']:.3f}; end to end "
+              f"{point['penalized_ms_per_round']:.2f} ms/round ({point['end_to_end_ratio']:.3f}"
+              f"{', confounded' if args.feature == 'penalties' else ''}) "
               f"(compiled classes: {point['compiled']})", flush=True)  # fmt: skip
     flags = cpu_flags()
-    config = {"target": args.target, "max_tokens": args.max_tokens, "repeats": args.repeats, "penalties": PENALTIES,
+    config = {"target": args.target, "feature": args.feature, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "penalties": PENALTIES if args.feature == "penalties" else None, "logprobs": 5 if args.feature == "logprobs" else None,
               "compile": "default" if args.compile is None else args.compile, "cpu": _cpu_model(),
               "cpus": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags,
               "date": datetime.date.today().isoformat()}  # fmt: skip

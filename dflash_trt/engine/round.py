@@ -449,7 +449,7 @@ def round_chain(p: RoundParts, x: RoundInputs, g: int, flags: Flags, t_draft: fl
     acc, emit = _accept(p, drafted, logits, blk, d_valid, sampling)
     if flags[3]:
         _count_committed(p, x, drafted.tokens, acc, emit)
-    extras = token_logprobs(logits, _committed(drafted.tokens, acc, emit)[0]) if flags[4] else None
+    extras = _committed_logprobs(logits, drafted.tokens, acc, emit) if flags[4] else None
     p.add_phases(t_draft, t_verify, t_accept)
     chain = torch.arange(g + 1, device=dev).expand(bs, g + 1)  # node j sits at depth j
     return stack(acc, emit, x.block_lens - 1, overturned, drafted.tokens, chain, extras)
@@ -504,6 +504,20 @@ def _committed(
     return torch.where(cols == acc[:, None], emit[:, None], tokens), cols <= acc[:, None]
 
 
+def _committed_logprobs(
+    logits: torch.Tensor, drafts: torch.Tensor, acc: torch.Tensor, emit: torch.Tensor
+) -> torch.Tensor:
+    """`token_logprobs` of the tokens the block commits. Eager on CPU only the positions up to the batch's
+    longest accepted run are computed (a round commits acc + 1 tokens; the rest are padding, never read)."""
+    chosen = _committed(drafts, acc, emit)[0]
+    if logits.device.type != "cpu" or torch.compiler.is_compiling():
+        return token_logprobs(logits, chosen)
+    n = int(acc.max()) + 1
+    bs, bq = chosen.shape
+    part = token_logprobs(logits[:, :n], chosen[:, :n]).reshape(bs, n, -1)
+    return torch.cat([part, part.new_zeros(bs, bq - n, part.shape[-1])], dim=1).reshape(bs, -1)
+
+
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """logits [bs, n, V] (after penalties and bias, before temperature) and the tokens chosen at those
     positions [bs, n] -> [bs, n * (2 + 2K)] float64: per position the chosen token's log-probability and
@@ -511,7 +525,7 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     bs, vocab = logits.shape[0], logits.shape[-1]
     lsm = torch.log_softmax(logits.float(), dim=-1)
     lp = lsm.gather(-1, chosen[..., None])  # [bs, n, 1]
-    rank = (lsm > lp).sum(dim=-1, keepdim=True) + 1
+    rank = (lsm > lp).sum(dim=-1, keepdim=True, dtype=torch.int32) + 1
     top_lp, top_ids = lsm.topk(min(MAX_LOGPROBS, vocab), dim=-1)
     cols = (lp.double(), rank.double(), top_ids.double(), top_lp.double())
     return torch.cat(cols, dim=-1).reshape(bs, -1)
