@@ -74,11 +74,14 @@ def test_dflash_logprobs_equal_plain_decoding_and_the_target(tiny_model):
            SamplingParams(max_tokens=40, ignore_eos=True, temperature=0, logprobs=2, **pen),
            SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3, logprobs=0)]  # fmt: skip
     outs = {}
-    for name, cfg in (("dflash", SPEC), ("plain", None)):
+    for name, cfg in (("dflash", SPEC), ("static", SPEC), ("plain", None)):
         with LLM("tiny", speculative_config=cfg, dtype="float32", max_batch_size=3, compile=False) as llm:
+            if name == "static":  # padded static buffers: what a CUDA graph captures
+                llm.engine.executor.static_rounds, llm.engine.executor.graph_batch_sizes = True, (2, 3)
             outs[name] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps)]
-    for (p, sp), comp in zip(zip(prompts, sps), outs["dflash"]):
+    for (p, sp), comp, static in zip(zip(prompts, sps), outs["dflash"], outs["static"]):
         check(tiny_model, p, comp, sp.logprobs, pen if sp.presence_penalty else None)
+        check(tiny_model, p, static, sp.logprobs, pen if sp.presence_penalty else None)
     for d, a in zip(outs["dflash"][:2], outs["plain"][:2]):  # greedy: the same tokens, the same numbers
         assert d.token_ids == a.token_ids
         for rd, ra in zip(d.logprobs, a.logprobs):
