@@ -250,16 +250,16 @@ def _engine_rows(args: argparse.Namespace, batch_sizes: list[int]) -> list[dict[
             use_plugins=use_plugins,
         )
         runner = llm.engine.runner
-        if use_plugins and runner.plugins is None:
+        if use_plugins and not llm.engine.parts.backend.plugins:
             llm.shutdown()
             raise SystemExit("the plugin was disabled by its device self-check (see the warning above)")
         per_round: list[tuple[int, float]] = []
         real = runner.decode_round
 
-        def timed(seqs, draft_len, tree_budget=0, _real=real, _log=per_round):
+        def timed(seqs, shape, _real=real, _log=per_round):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = _real(seqs, draft_len, tree_budget)  # ends in the host read-back: the round is complete
+            out = _real(seqs, shape)  # ends in the host read-back: the round is complete
             _log.append((len(seqs), time.perf_counter() - t0))
             return out
 

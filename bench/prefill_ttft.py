@@ -5,7 +5,7 @@ A request with max_tokens=1 is one prefill step (its first token comes from the 
 runs), so its latency is the prefill pass plus the engine's per-request fixed cost. The script builds
 one `LLM` with compiled rounds (from the compile cache; compiled first when the cache is cold) and
 times 1-token requests over the held-out prompts, alternating between the engine's compiled code and
-eager code (`runner.rounds` set to None) in every repeat, so that both see the same machine. The
+eager code (`executor.rounds` set to None) in every repeat, so that both see the same machine. The
 first tokens of both modes must be equal, and so must a batch of 64-token greedy requests.
 
     python bench/prefill_ttft.py --bundle /tmp/tiny [--repeats 3] [--long 512]
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg["compile_cache"] = str(cache)
     with foreground_compile():
         llm = LLM(**cfg)
-    runner = llm.engine.runner
-    compiled_rounds = runner.rounds
+    executor = llm.engine.executor
+    compiled_rounds = executor.rounds
     if compiled_rounds is None:
         print("compiled rounds are off on this machine (see the log): nothing to compare", file=sys.stderr)
         return 1
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         firsts: dict[str, list[list[int]]] = {"compiled": [], "eager": []}
         for _ in range(args.repeats):
             for mode in ("compiled", "eager"):
-                runner.rounds = compiled_rounds if mode == "compiled" else None
+                executor.rounds = compiled_rounds if mode == "compiled" else None
                 for text in texts:
                     t0 = time.perf_counter()
                     out = llm.generate([text], one)[0]
@@ -97,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {len(texts)} prompts of {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}), "
               f"{args.repeats} repeats: 1-token request median compiled {1e3 * c:.2f} ms, eager {1e3 * e:.2f} ms "
               f"= {e / c:.2f}x; first tokens equal: {same}")  # fmt: skip
-    runner.rounds = compiled_rounds
+    executor.rounds = compiled_rounds
     batch = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
     outs = {}
     for mode in ("compiled", "eager"):
-        runner.rounds = compiled_rounds if mode == "compiled" else None
+        executor.rounds = compiled_rounds if mode == "compiled" else None
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts[:16], batch)]
-    runner.rounds = compiled_rounds
+    executor.rounds = compiled_rounds
     same = outs["compiled"] == outs["eager"]
     ok &= same
     print(f"16 prompts at once, 64 greedy tokens each: compiled == eager: {same}")
