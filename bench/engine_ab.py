@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,26 +35,12 @@ def _points(result: dict) -> dict[tuple, float]:
     return {(p["mode"], p["batch_size"]): p["output_tokens_per_s"] for p in result["points"]}
 
 
-def _cpu() -> str:
-    """The CPU's model and the flags that matter here (AVX-512, AVX512-BF16, AMX)."""
+def _machine() -> str:
+    """The CPU's model, cores and the flags that matter here, as the README's figures name them."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dflash_trt.utils.device import cpu_flags
+    from dflash_trt.utils.figures import machine_label, machine_record
 
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = cpu_flags()
-    named = [
-        n
-        for f, n in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
-        if f in flags
-    ]
-    return f"{model} ({', '.join(named) or 'no AVX-512'})"
+    return machine_label(machine_record())
 
 
 def _commit(checkout: Path) -> str:
@@ -81,7 +66,7 @@ def main() -> int:
             config = config or result["config"]
             runs[name].append(_points(result))
             print(f"repeat {r + 1}/{ns.repeats} {name} done", file=sys.stderr)
-    print(f"machine: {_cpu()}, {os.cpu_count()} CPUs; torch threads: engine default")
+    print(f"machine: {_machine()}; torch threads: engine default")
     print(f"A: {ns.a.resolve()} @ {_commit(ns.a)}   B: {ns.b.resolve()} @ {_commit(ns.b)}")
     print(f"bench engine {' '.join(args)}; repeats {ns.repeats} (interleaved; medians)")
     print(f"config: {json.dumps(config, sort_keys=True)}")

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -110,7 +108,7 @@ def _timed(fn: Any, total: list[float]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from dflash_trt import LLM, pairs
-    from dflash_trt.utils.device import cpu_flags
+    from dflash_trt.utils.figures import machine_record
 
     texts = pairs.heldout_texts(args.target)
     kwargs = {} if args.compile is None else {"compile": args.compile}
@@ -128,24 +126,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{point['penalized_ms_per_round']:.2f} ms/round ({point['end_to_end_ratio']:.3f}"
               f"{', confounded' if args.feature == 'penalties' else ''}) "
               f"(compiled classes: {point['compiled']})", flush=True)  # fmt: skip
-    flags = cpu_flags()
     config = {"target": args.target, "feature": args.feature, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "penalties": PENALTIES if args.feature == "penalties" else None, "logprobs": 5 if args.feature == "logprobs" else None,
-              "compile": "default" if args.compile is None else args.compile, "cpu": _cpu_model(),
-              "cpus": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_bf16" in flags,
+              "compile": "default" if args.compile is None else args.compile, "machine": machine_record(),
               "date": datetime.date.today().isoformat()}  # fmt: skip
     print(json.dumps(config))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"config": config, "points": results}, indent=1) + "\n")
     return 0
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _spec(target: str, batch: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from dflash_trt.api.outputs import CompletionOutput, RequestOutput, merged
+from dflash_trt.api.outputs import CompletionOutput, Logprob, RequestOutput, merged
 from dflash_trt.api.params import SamplingParams
 from dflash_trt.errors import EngineDeadError
 
@@ -42,6 +42,9 @@ class GenerationHandle:
         self.prompt_token_ids = prompt_ids
         self.streaming = streaming
         self.request_id: int = -1
+        self.logprob_rows: list[
+            dict[int, Logprob]
+        ] = []  # the outputs' converted log-probabilities so far (llm.py)
         self._cond = threading.Condition()
         # what iteration yields: every output when streaming, else only the final one
         self._items: list[RequestOutput] = []

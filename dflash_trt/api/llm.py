@@ -499,10 +499,8 @@ class LLM:
             request_perf_metrics=metrics,
         )
         if sp.logprobs is not None:
-            n = at.num_tokens
-            comp.logprobs, comp.cumulative_logprob = _logprobs(
-                req.output_ids[:n], req.token_logprobs[:n], sp.logprobs
-            )
+            comp.logprobs = _logprob_rows(handle.logprob_rows, req, at.num_tokens, sp.logprobs)
+            comp.cumulative_logprob = sum(e[0] for e in req.token_logprobs[: at.num_tokens])
         return RequestOutput(
             request_id=req.request_id,
             prompt=handle.prompt,
@@ -626,17 +624,17 @@ def _warm_up_compiled(engine: Any, request: Callable[[Any], Any] | None = None) 
         torch._dynamo.reset()
 
 
-def _logprobs(tokens: list[int], entries: list[Any], k: int) -> tuple[list[dict[int, Logprob]], float]:
-    """The output tokens and the engine's (logprob, rank, top) for each -> TensorRT-LLM's [{token: Logprob}]
-    (the token itself, then its k most likely alternatives) and the tokens' cumulative log-probability."""
-    out, total = [], 0.0
-    for tok, (logprob, rank, top) in zip(tokens, entries):
+def _logprob_rows(rows: list[dict[int, Logprob]], req: Any, n: int, k: int) -> list[dict[int, Logprob]]:
+    """TensorRT-LLM's [{token: Logprob}] for the first n output tokens (the token itself, then its k most
+    likely alternatives), converted once per token: `rows` keeps what earlier outputs converted (a
+    stop rule may have dropped tokens since). Returns a copy: earlier outputs keep theirs."""
+    del rows[n:]
+    for tok, (logprob, rank, top) in zip(req.output_ids[len(rows) : n], req.token_logprobs[len(rows) : n]):
         row = {tok: Logprob(logprob, rank)}
         for i, (t, lp) in enumerate(top[:k]):
             row.setdefault(t, Logprob(lp, i + 1))
-        out.append(row)
-        total += logprob
-    return out, total
+        rows.append(row)
+    return list(rows)
 
 
 @functools.cache

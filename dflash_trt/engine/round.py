@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, slot_mapping
+from dflash_trt.spec.penalties import penalize
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -333,7 +334,8 @@ class Penalties:
         """tokens [bs, n] where valid [bs, n]: committed by the requests of `rows` [bs]."""
         idx = (rows[:, None].expand_as(tokens), tokens)
         self.counts.index_put_(idx, valid.float(), accumulate=True)
-        self.seen.index_put_((rows,), self.seen[rows] | (self.counts[rows] > 0))
+        # only the committed tokens' entries change; entries of one token all write the same value
+        self.seen.index_put_(idx, self.seen[idx] | (self.counts[idx] > 0))
 
     def apply(self, x: RoundInputs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [bs, g + 1, V] of a block whose drafts [bs, g] precede positions 1..g -> penalized, each
@@ -348,10 +350,9 @@ class Penalties:
         if logits.device.type == "cpu" and not torch.compiler.is_compiling():
             scores = _penalize_touched(logits.float(), counts, seen, bias, r, f, p)
         else:  # no data-dependent shapes (CUDA graphs, compiled code): passes over the whole block
-            scale = torch.where(seen, r, 1.0)[:, None]  # [bs, 1, V]
-            shift = (f * counts + p * (counts > 0).float() - bias)[:, None]
-            scores = logits.float()
-            scores = torch.where(scores > 0, scores / scale, scores * scale) - shift
+            scores = penalize(
+                logits, counts[:, None], seen[:, None], bias[:, None], *(t[:, :, None] for t in (r, f, p))
+            )
         if drafts.shape[1] == 0:
             return scores
         return _with_drafts_counted(scores, raw, tok, drafts, counts, bias, r, f, p)
@@ -363,10 +364,8 @@ def _penalize_touched(scores: torch.Tensor, counts: torch.Tensor, seen: torch.Te
     only where they change anything: the tokens a row has seen or biases (a prompt's and an output's
     tokens, not the vocabulary)."""
     b, t = (seen | (bias != 0)).nonzero(as_tuple=True)  # [N] each
-    raw = scores[b, :, t]  # [N, g + 1]
-    c, rr = counts[b, t][:, None], r[b]
-    val = torch.where(seen[b, t][:, None], torch.where(raw > 0, raw / rr, raw * rr), raw)
-    scores[b, :, t] = val - f[b] * c - p[b] * (c > 0).float() + bias[b, t][:, None]
+    at = (counts[b, t][:, None], seen[b, t][:, None], bias[b, t][:, None], r[b], f[b], p[b])  # [N, 1] each
+    scores[b, :, t] = penalize(scores[b, :, t], *at)  # [N, g + 1]
     return scores
 
 
@@ -380,8 +379,8 @@ def _with_drafts_counted(scores: torch.Tensor, raw: torch.Tensor, tok: torch.Ten
         [torch.zeros_like(same[:, :1]), same.cumsum(dim=1)], dim=1
     )  # [bs, j, i]: among drafts < j
     c = counts.gather(1, drafts)[:, None, :] + before  # the count of draft i's token at position j
-    val = torch.where(raw > 0, raw / r[:, :, None], raw * r[:, :, None])  # a drafted token is seen
-    val = val - f[:, :, None] * c - p[:, :, None] * (c > 0).float() + bias.gather(1, drafts)[:, None, :]
+    drafted = raw.new_ones((), dtype=torch.bool)  # a drafted token is seen
+    val = penalize(raw, c, drafted, bias.gather(1, drafts)[:, None, :], *(t[:, :, None] for t in (r, f, p)))
     keep = scores.gather(2, tok)  # where draft i's token is not among the drafts before j
     # every entry of one token at one position agrees (`before` counts by token): the scatter is exact
     return scores.scatter_(2, tok, torch.where(before > 0, val, keep))

@@ -124,8 +124,10 @@ class ModelRunner:
             if d:
                 state.start(s.row, s.prompt_ids, s.logit_bias)
         rows = torch.tensor([s.row for s in reqs], device=self.device)
-        per = [torch.tensor([getattr(s, n) for s in reqs], dtype=torch.float32, device=self.device)
-               for n in ("repetition_penalty", "frequency_penalty", "presence_penalty")]  # fmt: skip
+        per = [
+            torch.tensor([[getattr(s, n)] for s in reqs], dtype=torch.float32, device=self.device)
+            for n in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        ]  # fmt: skip  [bs, 1]
         return penalize(logits, state.counts[rows], state.seen[rows], state.bias[rows], *per)
 
     def _count_first(self, reqs: list[Request], processed: list[bool], tokens: list[int]) -> None:

@@ -59,19 +59,21 @@ def _number(value: Any) -> bool:
 
 
 def penalize(
-    logits: torch.Tensor,  # [N, V]
-    counts: torch.Tensor,  # [N, V] float: generated tokens so far
-    seen: torch.Tensor,  # [N, V] bool: tokens of the prompt or generated so far
-    bias: torch.Tensor,  # [N, V] float
-    repetition: torch.Tensor,  # [N]
-    frequency: torch.Tensor,  # [N]
-    presence: torch.Tensor,  # [N]
+    logits: torch.Tensor,
+    counts: torch.Tensor,  # float: generated tokens so far
+    seen: torch.Tensor,  # bool: tokens of the prompt or generated so far
+    bias: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
 ) -> torch.Tensor:
-    """Steps 1-3 of the module docstring -> float32 logits [N, V]."""
+    """Steps 1-3 of the module docstring, elementwise -> float32 logits. Every argument broadcasts
+    against `logits` (e.g. [N, V] logits with [N, 1] penalties, or the few tokens a caller picked);
+    the one place the rule is written."""
     scores = logits.float()
-    r = repetition.float()[:, None]
+    r = repetition.float()
     scores = torch.where(seen, torch.where(scores > 0, scores / r, scores * r), scores)
-    scores = scores - frequency.float()[:, None] * counts - presence.float()[:, None] * (counts > 0).float()
+    scores = scores - frequency.float() * counts - presence.float() * (counts > 0).float()
     return scores + bias
 
 
