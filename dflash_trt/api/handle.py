@@ -8,8 +8,9 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 
-from dflash_trt.api.outputs import CompletionOutput, Logprob, RequestOutput, merged
+from dflash_trt.api.outputs import CompletionOutput, Logprob, RequestOutput, best_of, merged
 from dflash_trt.api.params import SamplingParams
 from dflash_trt.errors import EngineDeadError
 
@@ -25,6 +26,8 @@ class GenerationHandle:
     one per engine step, and does not fall further behind. Sync iteration yields every output.
     A request that ends because the engine stopped (it raised, wedged, or was shut down) raises
     EngineDeadError from `result()` and from iteration.
+    With n > 1 (or best_of) the request is several engine sequences (`request_ids`); each output
+    carries every sequence's latest state (`record`), and the request finishes when all have.
     """
 
     def __init__(
@@ -42,9 +45,11 @@ class GenerationHandle:
         self.prompt_token_ids = prompt_ids
         self.streaming = streaming
         self.request_id: int = -1
-        self.logprob_rows: list[
-            dict[int, Logprob]
-        ] = []  # the outputs' converted log-probabilities so far (llm.py)
+        self.request_ids: list[int] = []  # the engine sequences (n > 1: several)
+        count = sampling_params.num_sequences
+        # per sequence: its converted log-probabilities so far (llm.py), and its latest output
+        self.logprob_rows: list[list[dict[int, Logprob]]] = [[] for _ in range(count)]
+        self._sequences: list[CompletionOutput | None] = [None] * count
         self._cond = threading.Condition()
         # what iteration yields: every output when streaming, else only the final one
         self._items: list[RequestOutput] = []
@@ -82,24 +87,38 @@ class GenerationHandle:
             with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def record(self, comp: CompletionOutput) -> tuple[list[CompletionOutput], bool]:
+        """Keep sequence comp.index's newest output (the engine thread). Returns every sequence's
+        output (the others without news: empty diffs) and whether all have finished; then, with
+        best_of > n, the n best (`outputs.best_of`)."""
+        self._sequences[comp.index] = comp
+        outputs = [
+            CompletionOutput(index=i, text="", token_ids=[]) if c is None
+            else c if c is comp else replace(c, text_diff="", token_ids_diff=[])
+            for i, c in enumerate(self._sequences)
+        ]  # fmt: skip
+        done = all(c.finish_reason is not None for c in outputs)
+        n = self.sampling_params.n
+        if done and len(outputs) > n:
+            outputs = best_of(outputs, n)
+            if self.sampling_params.logprobs is None:  # ranked by it, not asked for it
+                outputs = [replace(c, cumulative_logprob=None) for c in outputs]
+        return outputs, done
+
     def fail(self, cause: str) -> None:
         """End the request with finish_reason 'error' and `cause`, keeping what it produced so far."""
         with self._cond:
             last = self._last
-        comp = last.outputs[0] if last is not None else None
+        outputs = [
+            CompletionOutput(index=c.index, text=c.text, token_ids=list(c.token_ids), finish_reason="error")
+            for c in (last.outputs if last is not None else [])
+        ] or [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")]
         self.push(
             RequestOutput(
                 request_id=self.request_id,
                 prompt=self.prompt,
                 prompt_token_ids=self.prompt_token_ids,
-                outputs=[
-                    CompletionOutput(
-                        index=0,
-                        text=comp.text if comp is not None else "",
-                        token_ids=list(comp.token_ids) if comp is not None else [],
-                        finish_reason="error",
-                    )
-                ],
+                outputs=outputs,
                 finished=True,
                 error=cause,
             )

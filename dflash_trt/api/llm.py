@@ -242,7 +242,7 @@ class LLM:
             sp = SamplingParams(
                 **{k: getattr(sp, k) for k in SamplingParams.__dataclass_fields__ if hasattr(sp, k)}
             )
-        sp.check_supported()
+        sp.check_supported(streaming=streaming)
         prompt_text, ids = self._prompt_ids(inputs)
         handle = self._new_handle(
             prompt=prompt_text, prompt_ids=ids, sampling_params=sp, streaming=streaming, on_abort=self._abort
@@ -261,6 +261,7 @@ class LLM:
                 del self._live[id(handle)]
                 raise
             handle.request_id = req.request_id
+            handle.request_ids = [r.request_id for r in req.group]
         return handle
 
     def _new_handle(self, **fields: Any) -> GenerationHandle:
@@ -338,8 +339,9 @@ class LLM:
         )
 
     def _abort(self, handle: GenerationHandle) -> None:
-        if handle.request_id >= 0:
-            self.engine.abort(handle.request_id)
+        if handle.request_ids:
+            for request_id in handle.request_ids:
+                self.engine.abort(request_id)
             self._wake.set()
 
     # --- the engine thread and its watchdog ------------------------------------------------------------
@@ -444,7 +446,7 @@ class LLM:
             handle: GenerationHandle = update.req.owner
             out = self._snapshot(handle, update)
             out.error = error
-            if update.finished:
+            if out.finished:
                 self._live.pop(id(handle), None)
             outputs.append((handle, out))
         self._publish(outputs)
@@ -459,7 +461,19 @@ class LLM:
         return None if t is None else datetime.timedelta(seconds=t - self._t0)
 
     def _snapshot(self, handle: GenerationHandle, at: StepUpdate) -> RequestOutput:
-        """The request as of update `at`."""
+        """The request as of update `at` (of one of its sequences: `GenerationHandle.record` adds the
+        others' latest)."""
+        outputs, finished = handle.record(self._completion(handle, at))
+        return RequestOutput(
+            request_id=handle.request_id,
+            prompt=handle.prompt,
+            prompt_token_ids=handle.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+        )
+
+    def _completion(self, handle: GenerationHandle, at: StepUpdate) -> CompletionOutput:
+        """Sequence at.req as of update `at`."""
         req, sp = at.req, handle.sampling_params
         token_ids = list(req.output_ids[: at.num_tokens])
         text = req.text[: at.text_len]
@@ -489,7 +503,7 @@ class LLM:
                 ),
             )
         comp = CompletionOutput(
-            index=0,
+            index=req.index,
             text=text if sp.detokenize else "",
             token_ids=token_ids,
             finish_reason=req.finish_reason if at.finished else None,
@@ -498,16 +512,11 @@ class LLM:
             token_ids_diff=list(at.new_token_ids),
             request_perf_metrics=metrics,
         )
-        if sp.logprobs is not None:
-            comp.logprobs = _logprob_rows(handle.logprob_rows, req, at.num_tokens, sp.logprobs)
+        if req.logprobs is not None:  # asked for, or best_of's ranking needs them
             comp.cumulative_logprob = sum(e[0] for e in req.token_logprobs[: at.num_tokens])
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=handle.prompt,
-            prompt_token_ids=handle.prompt_token_ids,
-            outputs=[comp],
-            finished=at.finished,
-        )
+        if sp.logprobs is not None:
+            comp.logprobs = _logprob_rows(handle.logprob_rows[req.index], req, at.num_tokens, sp.logprobs)
+        return comp
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
@@ -759,5 +768,7 @@ def _request_params(sp: SamplingParams) -> RequestParams:
         repetition_penalty=sp.repetition_penalty if sp.repetition_penalty is not None else 1.0,
         logit_bias=tuple((sp.logit_bias or {}).items()),
         min_p=sp.min_p if sp.min_p is not None else 0.0,
-        logprobs=sp.logprobs,
+        # best_of > n ranks its sequences by cumulative log-probability: the engine computes them
+        logprobs=sp.logprobs if sp.logprobs is not None or sp.num_sequences == sp.n else 0,
+        n=sp.num_sequences,
     )

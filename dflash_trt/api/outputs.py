@@ -80,6 +80,15 @@ class RequestOutput:
     error: str | None = None
 
 
+def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The n sequences with the highest cumulative log-probability, best first, indexed 0..n-1 in that
+    order (best_of's rule, as vLLM and TensorRT-LLM apply it)."""
+    ranked = sorted(
+        outputs, key=lambda c: -(c.cumulative_logprob if c.cumulative_logprob is not None else 0.0)
+    )
+    return [replace(c, index=i) for i, c in enumerate(ranked[:n])]
+
+
 def merged(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """`newer` as one streamed output that also carries `older`'s news: the snapshot fields (text, ids,
     finish, metrics) are newer's, the diffs are older's followed by newer's. A consumer that fell behind

@@ -20,6 +20,9 @@ class SamplingParams:
     `greedy_draft` (dflash-trt extension): at T > 0 propose greedy drafts (one-hot rule): the drafter's
     argmax, or a DFlash 2 selector's best-scoring candidate.
     `pad_id` is refused: outputs are never padded (each request's tokens come back at their own length).
+    `n` sequences are sampled from one prefill of the prompt, each keyed by its own seed (sequence 0 by
+    `seed` itself); `best_of` >= n runs that many and returns the n with the highest cumulative
+    log-probability (not with streaming: the best are known only at the end).
     `frequency_penalty`, `presence_penalty`, `repetition_penalty`, `logit_bias` (token id -> bias) and
     `min_p` change the target's distribution as spec/penalties.py says, with DFlash as without it.
     `logprobs` = k returns each output token's log-probability and rank with the k most likely tokens'
@@ -53,13 +56,26 @@ class SamplingParams:
     logprobs: int | None = None
     greedy_draft: bool = False
 
-    def check_supported(self) -> None:
-        """Refuse what the embedded engine does not implement (several outputs, padding). Every other
-        field is validated by the engine when the request is added."""
-        if self.n != 1 or (self.best_of not in (None, 1)):
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the engine runs: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def check_supported(self, *, streaming: bool = False) -> None:
+        """Refuse what the embedded engine does not implement (padding, streamed best_of) and what does
+        not fit together (best_of < n). Every other field is validated by the engine when the request
+        is added."""
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n={self.n!r} must be an integer >= 1", field="n", hint="send n >= 1")
+        best = self.best_of
+        if best is not None and (isinstance(best, bool) or not isinstance(best, int) or best < self.n):
+            raise RequestError(f"best_of={best!r} must be an integer >= n={self.n}", field="best_of",
+                               hint="send best_of >= n, or omit it")  # fmt: skip
+        if streaming and best is not None and best > self.n:
             raise RequestError(
-                f"n={self.n}, best_of={self.best_of}: only one output per request is supported",
-                field="n" if self.n != 1 else "best_of",
+                f"best_of={best} > n={self.n} cannot stream: the best sequences are known only when all end",
+                field="best_of",
+                hint="omit best_of, or do not stream",
             )
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError(f"logit_bias={self.logit_bias!r} must map token ids to biases", field="logit_bias",

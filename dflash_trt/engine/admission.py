@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The one place a request is checked: prompt ids, lengths against max_seq_len and the KV cache,
-sampling ranges, min_tokens and seed, stop ids and strings. A request that passes becomes the
-engine's `Request` (stop ids resolved, a seed drawn when none was given, a detokenizer when the
-model has a tokenizer). Every refusal is a RequestError naming the field, the value and the fix.
+sampling ranges, min_tokens and seed, stop ids and strings, the number of sequences. A request that
+passes becomes the engine's `Request` (stop ids resolved, a seed drawn when none was given, a
+detokenizer when the model has a tokenizer), with n > 1 the leader of n (`sequence_seed` keys each
+sequence's randomness). Every refusal is a RequestError naming the field, the value and the fix.
 Thread-safe: it reads only what is fixed once the engine is built.
 """
 
@@ -42,7 +43,29 @@ class Admission:
         check_prompt_ids(prompt_ids, self.vocab_size)
         self._check_lengths(len(prompt_ids), params.max_tokens)
         self._check_sampling(params)
-        return self.make_request(prompt_ids, params, owner=owner)
+        self._check_sequences(params.n, self.pages_needed(len(prompt_ids), params.max_tokens))
+        leader = self.make_request(prompt_ids, params, owner=owner)
+        leader.siblings = [
+            self.make_request(prompt_ids, params, owner=owner, index=i, seed=sequence_seed(leader.seed, i))
+            for i in range(1, params.n)
+        ]  # fmt: skip
+        return leader
+
+    def _check_sequences(self, n: Any, pages: int) -> None:
+        """n sequences run side by side: each holds a batch row and its own pages from the start."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"n={n!r} must be an integer >= 1", field="n", hint="send n >= 1")
+        rows = self.config.max_batch_size
+        if n > rows:
+            raise RequestError(f"n={n}: more sequences than the engine's max_batch_size={rows}", field="n",
+                               hint=f"send n <= {rows}, or raise max_batch_size")  # fmt: skip
+        if n * pages > self.kv_pages:
+            raise RequestError(
+                f"n={n}: {n} sequences need {n * pages * PAGE_SIZE} KV tokens but the whole cache holds "
+                f"{self.kv_pages * PAGE_SIZE}",
+                field="n",
+                hint="lower n or max_tokens, or raise kv_cache_config.max_tokens",
+            )
 
     def _check_lengths(self, n: int, max_tokens: Any) -> None:
         """max_tokens against the prompt's `n` tokens, max_seq_len and the KV cache."""
@@ -102,12 +125,15 @@ class Admission:
             raise RequestError("stop strings need a tokenizer, and this model has none", field="stop",
                                hint="use stop_token_ids")  # fmt: skip
 
-    def make_request(self, prompt_ids: list[int], params: RequestParams, *, owner: Any = None) -> Request:
-        """The request as the engine keeps it (checked already, or the warm-up's own)."""
+    def make_request(self, prompt_ids: list[int], params: RequestParams, *, owner: Any = None, index: int = 0,
+                     seed: int | None = None) -> Request:  # fmt: skip
+        """The request as the engine keeps it (checked already, or the warm-up's own): sequence `index`
+        of its group, keyed by `seed` (default: the request's seed, or a fresh one)."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= {params.end_id} if params.end_id is not None else set(self.eos_token_ids)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        if seed is None:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         detokenizer = None
         if self.tokenizer is not None:
             from dflash_trt.engine.detokenizer import IncrementalDetokenizer
@@ -137,4 +163,20 @@ class Admission:
             logit_bias=tuple((int(t), float(b)) for t, b in params.logit_bias),
             min_p=float(params.min_p),
             logprobs=params.logprobs,
+            index=index,
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of a request seeded `seed`: sequence 0 keeps it (so n = 1 and the
+    first of n sample alike), the others get a splitmix64 mix of (seed, index), which is reproducible
+    and keeps their random streams apart."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)

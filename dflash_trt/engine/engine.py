@@ -125,12 +125,13 @@ class LLMEngine:
     def _start(
         self, reqs: list[Request], chunks: list[tuple[int, int]], firsts: Prefilled
     ) -> list[StepUpdate]:
-        """Prefilled chunks: a request whose prompt is complete starts decoding with its first token."""
-        now, updates = time.perf_counter(), []
-        for req, (_, hi), tok, lp in zip(reqs, chunks, firsts.tokens, firsts.logprobs):
+        """Prefilled chunks: a request whose prompt is complete starts decoding with its first token, and
+        so do the siblings it was forked into (n > 1)."""
+        for req, (_, hi) in zip(reqs, chunks):
             req.prefilled = hi
-            if tok is None:
-                continue
+        started = [(r, t, lp) for r, t, lp in zip(reqs, firsts.tokens, firsts.logprobs) if t is not None]
+        now, updates = time.perf_counter(), []
+        for req, tok, lp in [*started, *firsts.forked]:
             self.scheduler.start_decoding(req)
             req.first_token_time = req.last_token_time = now
             updates.append(self._postprocess(req, [tok], first=True, logprobs=None if lp is None else [lp]))
@@ -169,23 +170,23 @@ class LLMEngine:
         """End every queued and running request with finish_reason 'error' (after an engine
         failure, or at shutdown): one final update each. Engine thread."""
         self._take_queued()
-        updates = []
+        updates: list[StepUpdate] = []
         for req in list(self._live.values()):
-            self._finish(req, "error")
-            updates.append(self._update(req, [], ""))
+            if not req.finished:  # a sibling may have ended with its leader already
+                updates.extend(self._update(r, [], "") for r in self._finish(req, "error"))
         return updates
 
     def _take_queued(self) -> list[StepUpdate]:
         while not self._new.empty():
             req = self._new.get()
-            self._live[req.request_id] = req
+            for member in req.group:
+                self._live[member.request_id] = member
             self.scheduler.add(req)
-        updates = []
+        updates: list[StepUpdate] = []
         while not self._aborts.empty():
             aborted = self._live.get(self._aborts.get())
             if aborted is not None:
-                self._finish(aborted, "cancelled")
-                updates.append(self._update(aborted, [], ""))
+                updates.extend(self._update(r, [], "") for r in self._finish(aborted, "cancelled"))
         return updates
 
     def _postprocess(self, req: Request, new: list[int], *, first: bool = False, accepted: int = 0,
@@ -199,11 +200,17 @@ class LLMEngine:
             self._finish(req, finish, stop_reason)
         return self._update(req, tokens, text_delta)
 
-    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        req.finish_reason = reason
-        req.stop_reason = stop_reason
-        self.scheduler.finish(req)
-        self._live.pop(req.request_id, None)
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> list[Request]:
+        """End `req`; a leader that ends before its prefill does ends the siblings waiting for it too
+        (they have no prompt in the caches). Returns every request it ended."""
+        ended = req.group
+        for member in ended:
+            member.finish_reason = reason
+            member.stop_reason = stop_reason
+            self.scheduler.finish(member)
+            self._live.pop(member.request_id, None)
+        req.siblings = []
+        return ended
 
     @staticmethod
     def _update(req: Request, tokens: list[int], text_delta: str) -> StepUpdate:

@@ -45,6 +45,7 @@ class RequestParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     min_p: float = 0.0
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    n: int = 1  # sequences sampled from the prompt: one prefill, then n independent decodes
 
 
 @dataclass
@@ -72,6 +73,10 @@ class Request:
     # rounds draft the full block (a draft length chosen by load would change its samples)
     reproducible: bool = False
     owner: Any = None  # opaque to the engine: whoever submitted the request (the LLM's handle)
+    # n > 1: the group's sequence index; the leader (index 0) prefills the prompt once and holds the
+    # other sequences, which copy its caches when its prefill ends (`siblings`, emptied then)
+    index: int = 0
+    siblings: list[Request] = field(default_factory=list)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
@@ -82,11 +87,9 @@ class Request:
     stop_reason: int | str | None = None
     # speculative statistics
     acceptance_lengths: list[int] = field(default_factory=list)
-    tree_budgets: list[int] = field(default_factory=list)
+    tree_budgets: list[int] = field(default_factory=list)  # DDTree engines: each round's budget (0 = linear)
     # with logprobs: per output token, (its log-probability, its rank, the most likely tokens with theirs)
-    token_logprobs: list[Any] = field(
-        default_factory=list
-    )  # DDTree engines: each round's budget (0 = linear)
+    token_logprobs: list[Any] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_overturned_draft_tokens: int = 0  # DFlash 2: drafts the selector picked over the drafter's argmax
@@ -119,3 +122,8 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def group(self) -> list[Request]:
+        """This request and the sequences still waiting for its prefill (n > 1; cancelled ones left out)."""
+        return [self, *(s for s in self.siblings if not s.finished)]

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
 
 class Prefilled(NamedTuple):
     """A prefill pass's first tokens (None where the prompt is not complete yet) and their
-    log-probabilities (None where not asked for)."""
+    log-probabilities (None where not asked for); `forked`: the siblings (n > 1) of the leaders whose
+    prompt is now complete, with their own first tokens and log-probabilities."""
 
     tokens: list[int | None]
     logprobs: list[TokenLogprob | None]
+    forked: tuple[tuple[Request, int, TokenLogprob | None], ...] = ()
 
 
 class ModelRunner:
@@ -55,7 +57,8 @@ class ModelRunner:
 
         Writes target K/V, injects the chunk's context into the draft cache, and returns the first
         generated token for sequences whose prompt is now complete (None for the others), with its
-        log-probabilities where the request asked for them.
+        log-probabilities where the request asked for them. A complete leader of n sequences hands its
+        caches to its siblings, which sample their own first tokens from the same logits.
         """
         t0 = time.perf_counter()
         bs, dev = len(reqs), self.device
@@ -74,21 +77,46 @@ class ModelRunner:
         tables = page_tables([s.pages for s in reqs], width, dev)
         logits = self.executor.prefill((ids.to(dev), pos.to(dev), valid.to(dev), tables, seq_lens, last))
         done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(reqs, chunks)]
-        firsts: list[int | None] = [None] * bs
-        logprobs: list[TokenLogprob | None] = [None] * bs
+        out = Prefilled([None] * bs, [None] * bs)
         if any(done):
-            processed = [s.processed and d for s, d in zip(reqs, done)]
-            if any(processed) or self.parts.penalties is not None:
-                logits = self._start_penalties(reqs, done, logits)
-            tokens = self._first_tokens(reqs, logits, seq_lens, min_p=any(processed))
-            firsts = [tok if d else None for tok, d in zip(tokens, done)]
-            if any(processed):
-                self._count_first(reqs, processed, tokens)
-            if any(s.logprobs is not None and d for s, d in zip(reqs, done)):
-                logprobs = self._first_logprobs(reqs, done, logits, tokens)
+            out = self._firsts(reqs, done, logits, seq_lens)
         self.parts.sync()
         self.times.prefill_s += time.perf_counter() - t0
-        return Prefilled(firsts, logprobs)
+        return out
+
+    def _firsts(self, reqs: list[Request], done: list[bool], logits: torch.Tensor,
+                seq_lens: torch.Tensor) -> Prefilled:  # fmt: skip
+        """The first tokens of the complete prompts (and of their leaders' siblings, after the fork)."""
+        bs = len(reqs)
+        forks = [(i, sib) for i, (s, d) in enumerate(zip(reqs, done)) if d for sib in self._fork(s)]
+        if forks:
+            rows = torch.tensor(list(range(bs)) + [i for i, _ in forks], device=self.device)
+            logits, seq_lens = logits[rows], seq_lens[rows]
+            reqs, done = reqs + [sib for _, sib in forks], done + [True] * len(forks)
+        processed = [s.processed and d for s, d in zip(reqs, done)]
+        if any(processed) or self.parts.penalties is not None:
+            logits = self._start_penalties(reqs, done, logits)
+        tokens = self._first_tokens(reqs, logits, seq_lens, min_p=any(processed))
+        if any(processed):
+            self._count_first(reqs, processed, tokens)
+        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        if any(s.logprobs is not None and d for s, d in zip(reqs, done)):
+            logprobs = self._first_logprobs(reqs, done, logits, tokens)
+        firsts = [tok if d else None for tok, d in zip(tokens, done)]
+        forked = tuple((sib, tokens[bs + j], logprobs[bs + j]) for j, (_, sib) in enumerate(forks))
+        return Prefilled(firsts[:bs], logprobs[:bs], forked)
+
+    def _fork(self, leader: Request) -> list[Request]:
+        """A leader's prompt is in the caches: copy its pages (target and draft) to the siblings still
+        waiting for it, which then run as requests of their own. Returns them."""
+        siblings, leader.siblings = leader.group[1:], []
+        used = pages_for(len(leader.prompt_ids), self.page_size)
+        for sib in siblings:
+            self.parts.target_cache.copy_pages(leader.pages[:used], sib.pages[:used])
+            if self.parts.draft_cache is not None:
+                self.parts.draft_cache.copy_pages(leader.pages[:used], sib.pages[:used])
+            sib.prefilled = len(sib.prompt_ids)
+        return siblings
 
     def _first_logprobs(self, reqs: list[Request], done: list[bool], logits: torch.Tensor,
                         tokens: list[int]) -> list[TokenLogprob | None]:  # fmt: skip

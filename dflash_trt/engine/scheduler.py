@@ -5,7 +5,8 @@
   1. admits waiting requests in arrival order while a batch row and enough KV pages are free
      (pages for prompt + max_tokens, plus a DDTree's scratch columns past the last anchor, are
      reserved up front, so a running request never runs out and a tree never writes past its own
-     pages; a request that could never fit was refused by `LLMEngine.add_request`);
+     pages; a request that could never fit was refused by `LLMEngine.add_request`); a request of n
+     sequences is admitted whole, its siblings holding their rows and pages while the leader prefills;
   2. picks prompt chunks for the requests still prefilling, so that prefill and decode tokens stay
      within max_num_tokens (a prefill always gets at least one page of tokens, so it progresses);
   3. puts every running request in the step's round.
@@ -88,19 +89,20 @@ class Scheduler:
         return step
 
     def start_decoding(self, req: Request) -> None:
-        """The prompt is in the caches and the first token is out: the request joins the rounds."""
-        self.prefilling.remove(req)
+        """The prompt is in the caches and the first token is out: the request joins the rounds (a
+        sibling of n > 1 was never in `prefilling`: its leader prefilled for it)."""
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         req.status = Status.RUNNING
         self.running.append(req)
 
     def finish(self, req: Request) -> None:
-        """Drop a request from its queue and return its pages and row (idempotent)."""
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        elif req.status is Status.PREFILL:
-            self.prefilling.remove(req)
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
+        """Drop a request from its queue and return its pages and row (idempotent). A sibling still
+        waiting for its leader's prefill is in no queue."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+                break
         req.status = Status.FINISHED
         if req.pages:
             self.allocator.free(req.pages)
@@ -110,14 +112,17 @@ class Scheduler:
             req.row = -1
 
     def _admit(self) -> None:
-        while self.waiting and self.free_rows:
+        while self.waiting:
             req = self.waiting[0]
+            group = req.group
             need = self.pages_needed(len(req.prompt_ids), req.max_len - len(req.prompt_ids))
-            if need > self.allocator.num_free:
+            if len(group) > len(self.free_rows) or need * len(group) > self.allocator.num_free:
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
-            req.pages = self.allocator.allocate(need)
-            req.row = self.free_rows.pop()
-            req.status = Status.PREFILL
-            req.first_scheduled_time = time.perf_counter()
+            now = time.perf_counter()
+            for member in group:
+                member.pages = self.allocator.allocate(need)
+                member.row = self.free_rows.pop()
+                member.status = Status.PREFILL
+                member.first_scheduled_time = now
             self.prefilling.append(req)

@@ -57,6 +57,17 @@ class PagedKVCache:
             device=like.device,
         )
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages src[i] -> dst[i] in every layer (a sequence forked from another's prompt)."""
+        if not src:
+            return
+        ps = self.page_size
+        offsets = torch.arange(ps, device=self.k[0].device)
+        s = (torch.tensor(src, device=offsets.device)[:, None] * ps + offsets).flatten()
+        d = (torch.tensor(dst, device=offsets.device)[:, None] * ps + offsets).flatten()
+        for pool in (*self.k, *self.v):
+            pool[d] = pool[s]
+
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

@@ -190,7 +190,7 @@ async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
         )
         await resp.prepare(request)
         try:
-            await _stream(resp, gen, rid, created, first, pieces)
+            await _stream(resp, gen, rid, created, first, pieces, _token_text(request.app[KEY_CHAT]))
         except P.OpenAIError as exc:  # a failure after the headers went out: an SSE error event
             await _event(resp, exc.body())
         await resp.write(b"data: [DONE]\n\n")
@@ -199,17 +199,22 @@ async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
 
 
 def _fold(out: P.Outcome, piece: Piece, *, delta: bool) -> None:
-    if not delta:  # streamed text goes straight out; only a full response keeps it
-        out.text = piece.text
-    if piece.completion_tokens is not None:
-        out.completion_tokens = int(piece.completion_tokens)
+    """Keep a response's news in `out`: counts and finish reasons always; text and log-probabilities
+    only for a full response (a stream sends them straight out)."""
     if piece.prompt_tokens is not None:
         out.prompt_tokens = int(piece.prompt_tokens)
     if piece.final:
-        out.finish_reason = piece.finish_reason
         out.stats = piece.stats
-    if piece.logprobs is not None:
-        out.logprobs = piece.logprobs
+    for i, seq in enumerate(piece.seqs):
+        choice = out.choice(i)
+        if seq.completion_tokens is not None:
+            choice.completion_tokens = int(seq.completion_tokens)
+        if piece.final:
+            choice.finish_reason = seq.finish_reason
+        if not delta:
+            choice.text = seq.text
+            if seq.logprobs is not None:
+                choice.logprobs = seq.logprobs
 
 
 def _token_text(chat: ChatTemplate | None) -> Any:
@@ -223,6 +228,28 @@ async def _event(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
 
+class _ChoiceStream:
+    """What one streamed choice has sent: its role (chat's first chunk), the text a stop string may
+    still claim (`StopHoldback`), and how many tokens' log-probabilities and characters went out."""
+
+    def __init__(self, gen: P.Generation) -> None:
+        self.role = gen.kind == "chat"
+        self.holdback = P.StopHoldback(gen.stop) if gen.stop else None  # Triton then sends accumulated text
+        self.rows = 0
+        self.chars = 0
+
+    def news(self, gen: P.Generation, seq: Any, final: bool, token_text: Any) -> tuple[str, Any]:
+        """This response's new text and the logprobs object of its new tokens (None without)."""
+        text = seq.text if self.holdback is None else self.holdback.delta(seq.text, final=final)
+        logprobs = None
+        if seq.logprobs is not None:  # every token so far when the text is accumulated
+            rows = seq.logprobs if self.holdback is None else seq.logprobs[self.rows :]
+            self.rows += len(rows)
+            logprobs = P.logprobs_body(gen, rows, token_text, offset=self.chars) if rows else None
+        self.chars += len(text)
+        return text, logprobs
+
+
 async def _stream(
     resp: web.StreamResponse,
     gen: P.Generation,
@@ -230,10 +257,12 @@ async def _stream(
     created: int,
     first: Piece,
     rest: AsyncIterator[Piece],
+    token_text: Any,
 ) -> None:
+    """SSE chunks: each choice's news per response (its index on every chunk), each choice's finish
+    reason with the final response, then the usage chunk if asked."""
     out = P.Outcome()
-    role = gen.kind == "chat"  # the first chat chunk carries the assistant role
-    holdback = P.StopHoldback(gen.stop) if gen.stop else None  # Triton then sends accumulated text
+    streams: list[_ChoiceStream] = []
 
     async def pieces() -> AsyncIterator[Piece]:
         yield first
@@ -242,17 +271,22 @@ async def _stream(
 
     async for piece in pieces():
         _fold(out, piece, delta=True)
-        if holdback is not None:
-            piece.text = holdback.delta(piece.text, final=piece.final)
         running = P.usage(out) if gen.continuous_usage else None
+        for i, seq in enumerate(piece.seqs):
+            if i == len(streams):
+                streams.append(_ChoiceStream(gen))
+            cs = streams[i]
+            text, logprobs = cs.news(gen, seq, piece.final, token_text)
+            if piece.final:
+                fr = P.finish_reason(seq.finish_reason) or "stop"
+                await _event(resp, P.chunk(gen, rid, created, text=text, finish=fr, role=cs.role, usage_obj=running,
+                                           stats=P.dflash_stats(out), index=i, logprobs=logprobs))  # fmt: skip
+            elif text or cs.role or logprobs is not None:
+                await _event(resp, P.chunk(gen, rid, created, text=text, role=cs.role, usage_obj=running, index=i,
+                                           logprobs=logprobs))  # fmt: skip
+                cs.role = False
         if piece.final:
-            fr = P.finish_reason(out.finish_reason) or "stop"
-            await _event(resp, P.chunk(gen, rid, created, text=piece.text, finish=fr, role=role, usage_obj=running,
-                                       stats=P.dflash_stats(out)))  # fmt: skip
             break
-        if piece.text or role:
-            await _event(resp, P.chunk(gen, rid, created, text=piece.text, role=role, usage_obj=running))
-            role = False
     if gen.include_usage:
         await _event(resp, P.chunk(gen, rid, created, text=None, usage_obj=P.usage(out), no_choice=True))
 

@@ -30,6 +30,7 @@ from typing import Any
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 INT32 = (-(2**31), 2**31 - 1)  # what an INT32 Triton input carries
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engines' own default, all-None, would be greedy)
+MAX_CHOICES = 128  # n and best_of: the engine refuses more than its max_batch_size
 
 # The extension object that carries the DFlash statistics of one response: its keys, and the
 # Triton model output each comes from (clients such as `dflash-trt bench` map them back).
@@ -100,6 +101,8 @@ class Generation:
     min_p: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # alternatives per token (completions' logprobs, chat's top_logprobs)
+    n: int = 1  # choices, sampled from one prefill of the prompt
+    best_of: int | None = None  # candidates of which the n most likely are returned (not streamed)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -108,8 +111,6 @@ class Generation:
 # ---------------------------------------------------------------------------------------- fields
 # key -> the value(s) accepted because they mean "off"/default (anything else is refused).
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None,),
@@ -125,8 +126,6 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
 }
 _WHY = {
-    "n": ("only one choice per request is generated", "send n=1 (or omit it) and issue several requests"),
-    "best_of": ("only one candidate per request is generated", "omit best_of"),
     "echo": ("echo is not supported", "omit echo and prepend the prompt yourself"),
     "suffix": ("insertion (suffix) is not supported", "omit suffix"),
     "tools": ("tool calling is not supported", "omit tools"),
@@ -145,7 +144,8 @@ _WHY = {
 _IGNORED = frozenset({"user", "metadata", "service_tier", "stream_options"})
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "min_tokens", "stream", "stream_options", "logprobs", "frequency_penalty",
-                     "presence_penalty", "repetition_penalty", "min_p", "logit_bias"})  # fmt: skip
+                     "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "n",
+                     "best_of"})  # fmt: skip
 # the distribution's fields (spec/penalties.py): numbers the engine range-checks
 _PENALTIES = {"frequency_penalty": "send a number in [-2, 2]; 0 = off", "presence_penalty": "send a number in [-2, 2]; 0 = off",
               "repetition_penalty": "send a number > 0; 1 = off", "min_p": "send a number in [0, 1]; 0 = off"}  # fmt: skip
@@ -240,6 +240,7 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         setattr(gen, key, _float(body, key, fix=fix))
     gen.logit_bias = _logit_bias(body.get("logit_bias"))
     gen.stream = _bool(body, "stream")
+    _choices(body, gen)
     opts = body.get("stream_options")
     if opts is not None:
         if not gen.stream:
@@ -254,6 +255,17 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
                           "use include_usage (or continuous_usage_stats)")  # fmt: skip
         gen.include_usage = _bool(opts, "include_usage", prefix="stream_options.")
         gen.continuous_usage = _bool(opts, "continuous_usage_stats", prefix="stream_options.")
+
+
+def _choices(body: dict[str, Any], gen: Generation) -> None:
+    """n choices, and best_of candidates to pick them from (vLLM's extension on chat)."""
+    gen.n = _int(body, "n", lo=1, hi=MAX_CHOICES, fix=f"send an integer in [1, {MAX_CHOICES}]") or 1
+    gen.best_of = _int(body, "best_of", lo=1, hi=MAX_CHOICES, fix=f"send an integer in [n, {MAX_CHOICES}]")
+    if gen.best_of is not None and gen.best_of < gen.n:
+        raise bad("best_of", gen.best_of, f"is below n={gen.n}", "send best_of >= n, or omit it")
+    if gen.best_of is not None and gen.best_of > gen.n and gen.stream:
+        raise bad("best_of", gen.best_of, "cannot stream: the best choices are known only when all end",
+                  "omit best_of, or send stream: false")  # fmt: skip
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -283,18 +295,14 @@ def _chat_logprobs(body: dict[str, Any], gen: Generation) -> None:
         raise bad("top_logprobs", top, "needs logprobs: true", "send logprobs: true, or omit top_logprobs")
     if on:
         gen.logprobs = _int(body, "top_logprobs", lo=0, hi=20, fix="send an integer in [0, 20]") or 0
-        _no_stream_logprobs(gen, "logprobs")
 
 
-def _no_stream_logprobs(gen: Generation, key: str) -> None:
-    if gen.stream:
-        raise bad(key, True, "log-probabilities are not streamed yet", "send stream: false with logprobs")
-
-
-def logprobs_body(gen: Generation, o: Outcome, token_text: Any) -> dict[str, Any] | None:
-    """OpenAI's logprobs object of a response: completions' {tokens, token_logprobs, top_logprobs,
-    text_offset}, chat's {content: [{token, logprob, bytes, top_logprobs}]}. `token_text(id)` names a token."""
-    if gen.logprobs is None or o.logprobs is None:
+def logprobs_body(gen: Generation, rows: list[Any] | None, token_text: Any, *, offset: int = 0) -> Any:
+    """OpenAI's logprobs object for `rows` (one per token: (id, log-probability, alternatives)) of a
+    choice: completions' {tokens, token_logprobs, top_logprobs, text_offset} (offsets from `offset`
+    characters), chat's {content: [{token, logprob, bytes, top_logprobs}]}. `token_text(id)` names a
+    token. A streamed chunk carries its own tokens' rows."""
+    if gen.logprobs is None or rows is None:
         return None
     k = gen.logprobs
     if gen.kind == "chat":
@@ -304,11 +312,11 @@ def logprobs_body(gen: Generation, o: Outcome, token_text: Any) -> dict[str, Any
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top[:k]]}
-                            for t, lp, top in o.logprobs]}  # fmt: skip
-    tokens = [token_text(t) for t, _, _ in o.logprobs]
-    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in o.logprobs],
-            "top_logprobs": [{token_text(a): alp for a, alp in top[:k]} for _, _, top in o.logprobs],
+                            for t, lp, top in rows]}  # fmt: skip
+    tokens = [token_text(t) for t, _, _ in rows]
+    offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [{token_text(a): alp for a, alp in top[:k]} for _, _, top in rows],
             "text_offset": offsets}  # fmt: skip
 
 
@@ -338,7 +346,6 @@ def parse_completions(body: Any, served: list[str]) -> Generation:
     lp = body.get("logprobs")
     if lp is not None:  # OpenAI's completions: 0..5 alternatives per token
         gen.logprobs = _int(body, "logprobs", lo=0, hi=5, fix="send an integer in [0, 5]")
-        _no_stream_logprobs(gen, "logprobs")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -468,28 +475,39 @@ def new_id(kind: str) -> str:
 
 
 @dataclass
-class Outcome:
-    """What the Triton model sent for one request (the final state)."""
+class Choice:
+    """One choice's final state, as the Triton model sent it."""
 
     text: str = ""
-    prompt_tokens: int | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
 
 
+@dataclass
+class Outcome:
+    """What the Triton model sent for one request (the final state): its n choices."""
+
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])
+    prompt_tokens: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def choice(self, index: int) -> Choice:
+        while len(self.choices) <= index:
+            self.choices.append(Choice())
+        return self.choices[index]
+
+
 def usage(o: Outcome) -> dict[str, int]:
+    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
     p = o.prompt_tokens or 0
-    return {
-        "prompt_tokens": p,
-        "completion_tokens": o.completion_tokens,
-        "total_tokens": p + o.completion_tokens,
-    }
+    c = sum(ch.completion_tokens for ch in o.choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def dflash_stats(o: Outcome) -> dict[str, Any]:
-    """The `dflash` extension object: tau (tokens per round, bonus included), rounds, drafts."""
+    """The `dflash` extension object: tau (tokens per round, bonus included), rounds, drafts (of the
+    first choice)."""
     s = {k: round(v, 6) if isinstance(v, float) else v for k, v in o.stats.items()}
     return {key: s.get(output) for key, output in DFLASH_STATS.items()}
 
@@ -504,25 +522,22 @@ def full_response(
     gen: Generation, rid: str, created: int, o: Outcome, token_text: Any = None
 ) -> dict[str, Any]:
     """token_text(id): a token's text, for log-probabilities."""
-    fr = finish_reason(o.finish_reason) or "stop"
-    logprobs = logprobs_body(gen, o, token_text or (lambda t: f"token_id:{t}"))
-    if gen.kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": o.text, "refusal": None},
-            "logprobs": logprobs,
-            "finish_reason": fr,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": o.text, "logprobs": logprobs, "finish_reason": fr}
-        obj = "text_completion"
+    name = token_text or (lambda t: f"token_id:{t}")
+    choices = []
+    for i, ch in enumerate(o.choices):
+        fr = finish_reason(ch.finish_reason) or "stop"
+        logprobs = logprobs_body(gen, ch.logprobs, name)
+        if gen.kind == "chat":
+            message = {"role": "assistant", "content": ch.text, "refusal": None}
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": fr})
+        else:
+            choices.append({"index": i, "text": ch.text, "logprobs": logprobs, "finish_reason": fr})
     return {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if gen.kind == "chat" else "text_completion",
         "created": created,
         "model": gen.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(o),
         "system_fingerprint": None,
         DFLASH_FIELD: dflash_stats(o),
@@ -532,9 +547,9 @@ def full_response(
 def chunk(
     gen: Generation, rid: str, created: int, *, text: str | None, finish: str | None = None,
     role: bool = False, usage_obj: dict[str, int] | None = None, stats: dict[str, Any] | None = None,
-    no_choice: bool = False,
+    no_choice: bool = False, index: int = 0, logprobs: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk. `no_choice`: the final usage-only chunk (choices = [])."""
+    """One streamed chunk of choice `index`. `no_choice`: the final usage-only chunk (choices = [])."""
     obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
     choices: list[dict[str, Any]] = []
     if not no_choice:
@@ -544,9 +559,11 @@ def chunk(
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choices.append({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish})
+            choices.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         else:
-            choices.append({"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish})
+            choices.append(
+                {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            )
     out: dict[str, Any] = {
         "id": rid,
         "object": obj,

@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
-from dflash_trt.triton.kserve import decode_first_raw, parse_model_error
+from dflash_trt.triton.kserve import decode_raw, parse_model_error
 from dflash_trt.utils.api_key import ApiKey
 
 # Speculative statistics read from the final response.
@@ -35,28 +35,38 @@ STREAMS_PER_CHANNEL = 64
 RESTRICTED = "This protocol is restricted"
 
 
+LogprobRow = tuple[int, float, tuple[tuple[int, float], ...]]  # (token id, log-probability, alternatives)
+
+
 @dataclass
-class Piece:
-    """One Triton response, as the front needs it."""
+class Seq:
+    """One sequence (choice) of a Triton response."""
 
     text: str
     completion_tokens: int | None
-    prompt_tokens: int | None
     finish_reason: str | None
+    # with logprobs: per token of this response, (token id, log-probability, ((id, log-probability), ...))
+    logprobs: list[LogprobRow] | None = None
+
+
+@dataclass
+class Piece:
+    """One Triton response, as the front needs it: every sequence's news (n of them with n > 1)."""
+
+    seqs: list[Seq]
+    prompt_tokens: int | None
     final: bool
     stats: dict[str, Any] = field(default_factory=dict)
-    # with logprobs: per token of this response, (token id, log-probability, ((id, log-probability), ...))
-    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
 
 
-def _first_values(response: Any) -> dict[str, Any]:
-    """name -> first element of every output of a ModelInferResponse, read from the raw contents
-    (a struct unpack per output: cheaper than tritonclient's numpy deserialisation per chunk)."""
+def _values(response: Any) -> dict[str, list[Any]]:
+    """name -> the elements of every output of a ModelInferResponse, read from the raw contents
+    (struct unpacks: cheaper than tritonclient's numpy deserialisation per chunk)."""
     raws = response.raw_output_contents
-    out: dict[str, Any] = {}
+    out: dict[str, list[Any]] = {}
     for i, o in enumerate(response.outputs):
-        value = decode_first_raw(o.datatype, raws[i] if i < len(raws) else b"")
-        out[o.name] = value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+        values = decode_raw(o.datatype, raws[i] if i < len(raws) else b"")
+        out[o.name] = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v for v in values]
     return out
 
 
@@ -204,6 +214,10 @@ class Upstream:
             values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
         if gen.logprobs is not None:
             values.append(("sampling_param_logprobs", "INT32", [gen.logprobs]))
+        if gen.n != 1:
+            values.append(("sampling_param_n", "INT32", [gen.n]))
+        if gen.best_of is not None:
+            values.append(("sampling_param_best_of", "INT32", [gen.best_of]))
         for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
             if getattr(gen, name) is not None:
                 values.append((f"sampling_param_{name}", "FP32", [getattr(gen, name)]))
@@ -299,28 +313,34 @@ def _refusal(error: Any, gen: Generation, *, produced: bool) -> OpenAIError:
 def _piece(response: Any) -> Piece:
     """One ModelInferResponse as a Piece (the speculative statistics ride on the final one)."""
     final = bool(response.parameters["triton_final_response"].bool_param)
-    values = _first_values(response)
-    piece = Piece(
-        text=values.get("text_output") or "",
-        completion_tokens=values.get("num_output_tokens"),
-        prompt_tokens=values.get("num_input_tokens"),
-        finish_reason=values.get("finish_reason") if final else None,
-        final=final,
-    )
+    values = _values(response)
+    texts = values.get("text_output") or [""]
+    counts = values.get("num_output_tokens") or []
+    reasons = values.get("finish_reason") or []
+    logprobs = _logprobs(values, len(texts)) if "output_log_probs" in values else [None] * len(texts)
+    seqs = [
+        Seq(text=t, completion_tokens=counts[i] if i < len(counts) else None,
+            finish_reason=reasons[i] if final and i < len(reasons) else None, logprobs=logprobs[i])
+        for i, t in enumerate(texts)
+    ]  # fmt: skip
+    piece = Piece(seqs=seqs, prompt_tokens=(values.get("num_input_tokens") or [None])[0], final=final)
     if final:
-        piece.stats = {k: values.get(k) for k in STATS_OUTPUTS}
-    if "output_log_probs" in values:
-        piece.logprobs = _logprobs(response)
+        piece.stats = {k: (values.get(k) or [None])[0] for k in STATS_OUTPUTS}
     return piece
 
 
-def _logprobs(response: Any) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
-    """The log-probability outputs of a response (output_token_ids, output_log_probs, output_top_*)."""
-    raws = response.raw_output_contents
-    arrays = {o.name: np.frombuffer(raws[i], dtype="<i4" if o.datatype == "INT32" else "<f4")
-              for i, o in enumerate(response.outputs) if o.name.startswith("output_")}  # fmt: skip
-    ids, lps = arrays["output_token_ids"].tolist(), arrays["output_log_probs"].tolist()
-    top_ids, top_lps = arrays["output_top_token_ids"].tolist(), arrays["output_top_log_probs"].tolist()
+def _logprobs(values: dict[str, list[Any]], n: int) -> list[list[LogprobRow] | None]:
+    """The log-probability outputs of a response (output_token_ids, output_log_probs, output_top_*),
+    split into the n sequences by output_lengths (all of them in sequence 0 without it)."""
+    ids, lps = values["output_token_ids"], values["output_log_probs"]
+    top_ids, top_lps = values.get("output_top_token_ids", []), values.get("output_top_log_probs", [])
     k = len(top_ids) // len(ids) if ids else 0
-    return [(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
+    rows = [(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
             for j, (t, lp) in enumerate(zip(ids, lps))]  # fmt: skip
+    lengths = values.get("output_lengths") or [len(rows)] + [0] * (n - 1)
+    out: list[list[LogprobRow] | None] = []
+    at = 0
+    for length in lengths:
+        out.append(rows[at : at + length])
+        at += length
+    return out

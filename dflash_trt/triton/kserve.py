@@ -3,8 +3,9 @@
 clients and test servers.
 
 Raw contents are little-endian; a BYTES element is a 4-byte length followed by the bytes. Typed
-contents live in the `*_contents` field named by the datatype. Only the first element of a
-tensor is read: every llmapi input and output is a [1] tensor.
+contents live in the `*_contents` field named by the datatype. Clients mostly read the first element
+(`decode_first_*`): an llmapi output holds one value per sequence, and n = 1 is the common case;
+`decode_raw` reads them all.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def decode_first_raw(datatype: str, raw: bytes) -> Any:
         return raw[4 : 4 + n]
     fmt = RAW_FORMATS.get(datatype)
     return struct.unpack_from(fmt, raw)[0] if fmt else None
+
+
+def decode_raw(datatype: str, raw: bytes) -> list[Any]:
+    """Every element of raw contents (bytes for BYTES); [] when empty or of an unknown type."""
+    if datatype == "BYTES":
+        out, at = [], 0
+        while at + 4 <= len(raw):
+            (n,) = struct.unpack_from("<I", raw, at)
+            out.append(raw[at + 4 : at + 4 + n])
+            at += 4 + n
+        return out
+    fmt = RAW_FORMATS.get(datatype)
+    if not fmt or not raw:
+        return []
+    return [v for (v,) in struct.iter_unpack(fmt, raw)]
 
 
 def decode_first_typed(datatype: str, contents: Any) -> Any:

@@ -68,6 +68,7 @@ INPUTS: tuple[Port, ...] = (
     Port("sampling_param_min_p", "TYPE_FP32", (1,), ours=True),
     Port("sampling_param_logit_bias", "TYPE_STRING", (1,), ours=True),  # JSON: token id -> bias
     Port("sampling_param_logprobs", "TYPE_INT32", (1,), ours=True),  # k alternatives per token
+    Port("sampling_param_n", "TYPE_INT32", (1,), ours=True),  # sequences from one prefill of the prompt
     Port("streaming_delta", "TYPE_BOOL", (1,), ours=True),
 )
 
@@ -88,7 +89,7 @@ OUTPUTS: tuple[Port, ...] = (
     Port("acceptance_rate", "TYPE_FP32", (1,)),
     Port("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
     Port("total_draft_tokens", "TYPE_INT32", (1,)),
-    Port("num_output_tokens", "TYPE_INT32", (1,), ours=True),
+    Port("num_output_tokens", "TYPE_INT32", (-1,), ours=True),  # one per sequence
     Port("num_input_tokens", "TYPE_INT32", (1,), ours=True),
     Port("mean_acceptance_length", "TYPE_FP32", (1,), ours=True),
     Port("num_rounds", "TYPE_INT32", (1,), ours=True),
@@ -97,6 +98,7 @@ OUTPUTS: tuple[Port, ...] = (
     Port("output_log_probs", "TYPE_FP32", (-1,), ours=True),  # per token of the response
     Port("output_top_token_ids", "TYPE_INT32", (-1,), ours=True),  # k per token, the most likely first
     Port("output_top_log_probs", "TYPE_FP32", (-1,), ours=True),
+    Port("output_lengths", "TYPE_INT32", (-1,), ours=True),  # each sequence's tokens in the four above
 )
 
 ENGINES = ("dflash_trt", "tensorrt_llm")

@@ -467,7 +467,9 @@ def test_overload_queues_and_kv_admission(pair):
         ),
         ([], {}, r"prompt is empty"),
         ([1, 99], {}, r"prompt_ids\[1\]=99: out of range for vocab_size=13"),
-        ([1], {"n": 2}, r"only one output per request"),
+        ([1], {"n": 3}, r"n=3: more sequences than the engine's max_batch_size=2"),
+        ([1], {"n": 0}, r"n=0 must be an integer >= 1"),
+        ([1], {"n": 2, "best_of": 1}, r"best_of=1 must be an integer >= n=2"),
         ([1], {"stop": "x"}, r"stop strings need a tokenizer"),
         (
             [1],

@@ -192,10 +192,11 @@ def test_seeded_sampling_is_reproducible(client) -> None:
 
 
 BAD_COMPLETIONS = [
-    ({"n": 2}, "n"),
-    ({"best_of": 3}, "best_of"),
+    ({"n": 200}, "n"),  # the front's range
+    ({"n": 100}, "n"),  # more than the engine's max_batch_size: the engine's, named through Triton
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"),  # the best are known only at the end
     ({"logprobs": 9}, "logprobs"),  # completions carry 0..5
-    ({"logprobs": 1, "stream": True}, "logprobs"),  # not streamed yet
     ({"echo": True}, "echo"),
     ({"suffix": "x"}, "suffix"),
     ({"presence_penalty": 2.5}, "presence_penalty"),  # the engine's range, named through Triton
@@ -222,7 +223,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ""}, "prompt"),
 ]
 BAD_CHAT = [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -311,6 +312,33 @@ def test_logprobs_on_both_endpoints_are_the_llm_apis(client) -> None:
     assert all(
         len(e.top_logprobs) == 2 and e.logprob <= 0 and e.bytes == list(e.token.encode()) for e in content
     )
+
+
+def test_n_choices_best_of_and_streamed_logprobs(client) -> None:
+    """n choices share one prefill; choice i is the request seeded sequence_seed(seed, i); usage counts
+    every choice. best_of returns the most likely of its candidates. Streamed chunks carry their choice's
+    index and their tokens' log-probabilities."""
+    from dflash_trt.engine.admission import sequence_seed
+
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.9, extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, seed=4, **kw)
+    alone = [
+        client.completions.create(seed=sequence_seed(4, i), logprobs=0, **kw).choices[0] for i in range(3)
+    ]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.text for a in alone] and len({a.text for a in alone}) > 1
+    assert r.usage.completion_tokens == 30
+    best = client.completions.create(n=1, best_of=3, seed=4, **kw)
+    assert best.choices[0].text == max(alone, key=lambda a: sum(a.logprobs.token_logprobs)).text
+    chat = dict(model="tiny", messages=[{"role": "user", "content": CHAT}], max_tokens=8, temperature=0.9, seed=2,
+                n=2, logprobs=True, top_logprobs=1)  # fmt: skip
+    full = client.chat.completions.create(**chat)
+    text, tokens = ["", ""], ["", ""]
+    for ch in client.chat.completions.create(stream=True, **chat):
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+            tokens[c.index] += "".join(e.token for e in (c.logprobs.content if c.logprobs else []))
+    assert text == tokens == [c.message.content for c in full.choices]
 
 
 def test_the_engine_decides_what_values_mean(client) -> None:

@@ -130,7 +130,7 @@ def test_model_errors_are_read_from_the_trailer_not_the_prose() -> None:
 def test_response_and_chunk_shapes() -> None:
     g = P.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True,
                       "stream_options": {"include_usage": True}}, SERVED)  # fmt: skip
-    o = P.Outcome(text="hi", prompt_tokens=5, completion_tokens=2, finish_reason="length",
+    o = P.Outcome(choices=[P.Choice(text="hi", completion_tokens=2, finish_reason="length")], prompt_tokens=5,
                   stats={"mean_acceptance_length": 2.0000000476837, "num_rounds": 1, "total_draft_tokens": 15,
                          "total_accepted_draft_tokens": 1, "acceptance_rate": 1 / 15,
                          "total_overturned_draft_tokens": 4})  # fmt: skip
@@ -144,6 +144,49 @@ def test_response_and_chunk_shapes() -> None:
     last = P.chunk(g, "chatcmpl-1", 0, text=None, usage_obj=P.usage(o), no_choice=True)
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
     assert P.finish_reason("None") is None and P.finish_reason("length") == "length"
+
+
+def test_n_choices_in_the_response_the_chunks_and_the_triton_inputs() -> None:
+    from dflash_trt.openai_front.upstream import Upstream
+
+    g = P.parse_completions({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3, "logprobs": 1}, SERVED)
+    assert (g.n, g.best_of) == (2, 3)
+    o = P.Outcome(choices=[P.Choice(text="a", completion_tokens=3, finish_reason="stop",
+                                    logprobs=[(5, -0.5, ((5, -0.5),))]),
+                           P.Choice(text="bc", completion_tokens=4, finish_reason="length")], prompt_tokens=2)  # fmt: skip
+    full = P.full_response(g, "cmpl-1", 0, o)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in full["choices"]] == [
+        (0, "a", "stop"),
+        (1, "bc", "length"),
+    ]
+    assert (
+        full["choices"][0]["logprobs"]["token_logprobs"] == [-0.5] and full["choices"][1]["logprobs"] is None
+    )
+    assert full["usage"] == {"prompt_tokens": 2, "completion_tokens": 7, "total_tokens": 9}
+    assert P.chunk(g, "cmpl-1", 0, text="z", index=1)["choices"][0]["index"] == 1
+    sent = {t.name(): t for t in Upstream._inputs(Upstream.__new__(Upstream), g)}
+    assert (
+        sent["sampling_param_n"].datatype() == "INT32"
+        and sent["sampling_param_best_of"].datatype() == "INT32"
+    )
+    plain = {t.name() for t in Upstream._inputs(Upstream.__new__(Upstream), P.parse_completions(
+        {"model": "tiny", "prompt": "x"}, SERVED))}  # fmt: skip
+    assert not {"sampling_param_n", "sampling_param_best_of"} & plain
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "problem"),
+    [
+        ({"n": 0}, "n", "outside [1, 128]"),
+        ({"n": 2.5}, "n", "must be an integer"),
+        ({"n": 3, "best_of": 2}, "best_of", "below n=3"),
+        ({"best_of": 3, "stream": True}, "best_of", "cannot stream"),
+    ],
+)
+def test_bad_n_and_best_of_are_400s_naming_the_field(body: dict, param: str, problem: str) -> None:
+    with pytest.raises(P.OpenAIError) as info:
+        P.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}], **body}, SERVED)
+    assert info.value.param == param and problem in str(info.value)
 
 
 def test_stop_holdback_never_streams_a_stop_string_prefix() -> None:

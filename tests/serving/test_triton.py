@@ -118,6 +118,41 @@ def test_log_probabilities_over_http(server):
     )
 
 
+def test_n_sequences_over_http_and_grpc_streaming(server):
+    """sampling_param_n: one value per sequence in text_output, num_output_tokens, finish_reason and
+    cumulative_logprob; sequence i equals a request seeded sequence_seed(seed, i). Streamed with deltas
+    and log-probabilities, output_lengths splits the tokens between the sequences."""
+    from dflash_trt.engine.admission import sequence_seed
+
+    base = {"text_input": PROMPT, "sampling_param_max_tokens": 16, "sampling_param_ignore_eos": True,
+            "sampling_param_temperature": 1.0, "return_finish_reason": True}  # fmt: skip
+    out = http_generate(server, {**base, "sampling_param_n": 3, "sampling_param_seed": 5,
+                                 "return_cumulative_logprob": True}).json()  # fmt: skip
+    alone = [http_generate(server, {**base, "sampling_param_seed": sequence_seed(5, i)}).json()["text_output"]
+             for i in range(3)]  # fmt: skip
+    assert out["text_output"] == alone and len(set(alone)) > 1
+    assert out["num_output_tokens"] == [16, 16, 16] and out["finish_reason"] == ["length"] * 3
+    assert len(out["cumulative_logprob"]) == 3
+    inputs = [("text_input", PROMPT.encode(), "BYTES"), ("sampling_param_max_tokens", 16, "INT32"),
+              ("sampling_param_ignore_eos", True, "BOOL"), ("streaming", True, "BOOL"),
+              ("streaming_delta", True, "BOOL"), ("sampling_param_temperature", 1.0, "FP32"),
+              ("sampling_param_n", 2, "INT32"), ("sampling_param_logprobs", 1, "INT32"),
+              ("sampling_param_seed", 5, "UINT64")]  # fmt: skip
+    results = grpc_stream(server, inputs)
+    assert all(err is None for _, err in results)
+    texts, ids = ["", ""], [[], []]
+    for result, _ in results:
+        if result.as_numpy("text_output") is None:
+            continue  # the empty final response
+        for i, t in enumerate(result.as_numpy("text_output")):
+            texts[i] += t.decode()
+        lengths, toks = result.as_numpy("output_lengths"), result.as_numpy("output_token_ids").tolist()
+        assert lengths is not None and sum(lengths) == len(toks)
+        ids[0] += toks[: lengths[0]]
+        ids[1] += toks[lengths[0] :]
+    assert texts == alone[:2] and [len(x) for x in ids] == [16, 16]
+
+
 def test_concurrent_clients(server):
     prompts = [f"x{i} = " for i in range(12)]
     expected = {p: http_generate(server, {"text_input": p, "sampling_param_max_tokens": 12,
@@ -206,7 +241,13 @@ def grpc_stream(server, inputs: list[tuple[str, object, str]], timeout: float = 
     """Send one request on a gRPC stream; return [(result, error), ...] up to the final response."""
     import tritonclient.grpc as grpcclient
 
-    numpy_types = {"BYTES": np.object_, "INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32}
+    numpy_types = {
+        "BYTES": np.object_,
+        "INT32": np.int32,
+        "BOOL": np.bool_,
+        "FP32": np.float32,
+        "UINT64": np.uint64,
+    }
     out: list = []
     done = threading.Event()
 

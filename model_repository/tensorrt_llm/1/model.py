@@ -148,20 +148,22 @@ class TritonPythonModel:
         """Relay the request's outputs until its final response (or its error)."""
         cancelled: set[int] = set()  # holds id(handle) once the watcher saw the client cancel
         watcher = asyncio.ensure_future(self.tracker.watch_cancel(request, handle, cancelled))
-        seen = (0, 0)  # rounds and tokens already counted in the metrics
+        seen: dict[int, tuple[int, int]] = {}  # per sequence: rounds and tokens counted in the metrics
         last_token_at = None  # monotonic time of the latest new token (latency metrics)
         try:
             async for output in handle:
                 skip = len(output.prompt_token_ids or []) if parsed.include_input else 0
-                tokens_before = seen[1]
-                seen = self.metrics.observe_output(
-                    output.outputs[0], seen, final=bool(output.finished), skip=skip
-                )
-                last_token_at = self.metrics.observe_latency(started, last_token_at, seen[1] - tokens_before)
+                tokens_before = sum(t for _, t in seen.values())
+                for comp in output.outputs:
+                    seen[comp.index] = self.metrics.observe_output(
+                        comp, seen.get(comp.index, (0, 0)), final=bool(output.finished), skip=skip
+                    )
+                tokens = sum(t for _, t in seen.values())
+                last_token_at = self.metrics.observe_latency(started, last_token_at, tokens - tokens_before)
                 if output.finished:
                     watcher.cancel()
                     self.tracker.finish(
-                        sender, handle, output, parsed, cancelled=bool(cancelled), tokens=seen[1]
+                        sender, handle, output, parsed, cancelled=bool(cancelled), tokens=tokens
                     )
                     return
                 # Cancellation is the watcher's to see (every check_period): asking per response is
@@ -170,7 +172,7 @@ class TritonPythonModel:
                     sender.send(self.codec.response(output, parsed), flags=0)
             raise RuntimeError("the engine ended the request without a final output")  # never a silent end
         except Exception as exc:  # the engine stopped (died, or was shut down) or failed the request
-            self.tracker.fail(sender, request.request_id(), exc, tokens=seen[1])
+            self.tracker.fail(sender, request.request_id(), exc, tokens=sum(t for _, t in seen.values()))
         finally:
             watcher.cancel()
 

@@ -54,6 +54,7 @@ SAMPLING_INPUTS = {
     "sampling_param_min_p": "min_p",
     "sampling_param_logit_bias": "logit_bias",  # a JSON object from token ids to biases
     "sampling_param_logprobs": "logprobs",  # k: each token's log-probability and the k most likely tokens'
+    "sampling_param_n": "n",  # sequences sampled from the prompt (one prefill)
 }
 LIST_FIELDS = {"stop", "stop_token_ids"}
 FLAG_INPUTS = ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
@@ -297,56 +298,71 @@ class WireCodec:
     # --- responses ------------------------------------------------------------------------------
     def response(self, output: OutputView, parsed: ParsedRequest) -> Any:
         """One output as an InferenceResponse: the text (accumulated, or the delta with
-        streaming_delta), token counts, and the reasons and perf metrics the request asked for."""
+        streaming_delta), token counts, and the reasons and perf metrics the request asked for. With n
+        sequences (sampling_param_n, best_of) the per-sequence outputs hold n values, in sequence
+        order; the perf metrics are sequence 0's."""
         pb = self._pb
-        comp = output.outputs[0]
+        comps = list(output.outputs)
         flags = parsed.flags
-        text = comp.text_diff if flags.get("streaming_delta") else comp.text
         n_in = len(output.prompt_token_ids or [])
+        skip = n_in if parsed.include_input else 0
+        texts = [(c.text_diff if flags.get("streaming_delta") else c.text).encode("utf-8") for c in comps]
         tensors = [
-            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
-            pb.Tensor("num_output_tokens", np.array([len(comp.token_ids) - (n_in if parsed.include_input else 0)],
-                                                    dtype=np.int32)),
+            pb.Tensor("text_output", np.array(texts, dtype=object)),
+            pb.Tensor(
+                "num_output_tokens", np.array([len(c.token_ids) - skip for c in comps], dtype=np.int32)
+            ),
             pb.Tensor("num_input_tokens", np.array([n_in], dtype=np.int32)),
-        ]  # fmt: skip
+        ]
         if flags.get("return_finish_reason"):
-            tensors.append(pb.Tensor("finish_reason", np.array([str(comp.finish_reason)], dtype=object)))
+            tensors.append(
+                pb.Tensor("finish_reason", np.array([str(c.finish_reason) for c in comps], dtype=object))
+            )
         if flags.get("return_stop_reason"):
-            tensors.append(pb.Tensor("stop_reason", np.array([str(comp.stop_reason)], dtype=object)))
-        if parsed.want_metrics and comp.request_perf_metrics is not None:
-            values = perf_values(comp.request_perf_metrics)
+            tensors.append(
+                pb.Tensor("stop_reason", np.array([str(c.stop_reason) for c in comps], dtype=object))
+            )
+        perf = comps[0].request_perf_metrics
+        if parsed.want_metrics and perf is not None:
+            values = perf_values(perf)
             for name, dtype in PERF_OUTPUTS:
                 tensors.append(pb.Tensor(name, np.array([values[name]], dtype=dtype)))
-        if getattr(comp, "logprobs", None) is not None:
-            tensors += self._logprob_tensors(comp, parsed)
+        if getattr(comps[0], "logprobs", None) is not None:
+            tensors += self._logprob_tensors(comps, parsed)
         return pb.InferenceResponse(output_tensors=tensors)
 
-    def _logprob_tensors(self, comp: Any, parsed: ParsedRequest) -> list[Any]:
-        """cumulative_logprob (NVIDIA's) when asked; with sampling_param_logprobs = k, per token of the
-        response (the new ones with streaming_delta): output_log_probs [n], and the k most likely tokens
-        with theirs, output_top_token_ids / output_top_log_probs [n * k], and the tokens themselves,
-        output_token_ids [n] (ours)."""
+    def _logprob_tensors(self, comps: list[Any], parsed: ParsedRequest) -> list[Any]:
+        """cumulative_logprob (NVIDIA's, one per sequence) when asked; with sampling_param_logprobs = k,
+        per token of the response (the new ones with streaming_delta), sequence after sequence:
+        output_log_probs, the k most likely tokens with theirs, output_top_token_ids /
+        output_top_log_probs (k per token), the tokens themselves, output_token_ids, and how many
+        tokens each sequence has in them, output_lengths [n] (ours)."""
         pb, out = self._pb, []
         if parsed.flags.get("return_cumulative_logprob"):
-            out.append(pb.Tensor("cumulative_logprob", np.array([comp.cumulative_logprob], dtype=np.float32)))
+            out.append(pb.Tensor("cumulative_logprob", np.array([c.cumulative_logprob for c in comps],
+                                                                 dtype=np.float32)))  # fmt: skip
         k = parsed.sampling.logprobs
         if k is None or parsed.logprobs_implied:
             return out
-        n = len(comp.token_ids_diff) if parsed.flags.get("streaming_delta") else len(comp.logprobs)
-        rows = comp.logprobs[len(comp.logprobs) - n :]
-        toks = list(comp.token_ids)[len(comp.token_ids) - n :]
-        own = [row[t].logprob for t, row in zip(toks, rows)]
-        top = [
-            sorted(((lp.rank, t, lp.logprob) for t, lp in row.items() if lp.rank <= k))[:k] for row in rows
-        ]
+        toks: list[int] = []
+        own: list[float] = []
+        top: list[tuple[int, float]] = []
+        lengths = []
+        for comp in comps:
+            n = len(comp.token_ids_diff) if parsed.flags.get("streaming_delta") else len(comp.logprobs)
+            rows = comp.logprobs[len(comp.logprobs) - n :]
+            ids = list(comp.token_ids)[len(comp.token_ids) - n :]
+            toks += ids
+            own += [row[t].logprob for t, row in zip(ids, rows)]
+            for row in rows:
+                top += [(t, lp) for _, t, lp in sorted((lp.rank, t, lp.logprob) for t, lp in row.items()
+                                                       if lp.rank <= k)[:k]]  # fmt: skip
+            lengths.append(n)
         out.append(pb.Tensor("output_token_ids", np.array(toks, dtype=np.int32)))
         out.append(pb.Tensor("output_log_probs", np.array(own, dtype=np.float32)))
-        out.append(
-            pb.Tensor("output_top_token_ids", np.array([t for r in top for _, t, _ in r], dtype=np.int32))
-        )
-        out.append(
-            pb.Tensor("output_top_log_probs", np.array([lp for r in top for _, _, lp in r], dtype=np.float32))
-        )
+        out.append(pb.Tensor("output_top_token_ids", np.array([t for t, _ in top], dtype=np.int32)))
+        out.append(pb.Tensor("output_top_log_probs", np.array([lp for _, lp in top], dtype=np.float32)))
+        out.append(pb.Tensor("output_lengths", np.array(lengths, dtype=np.int32)))
         return out
 
     def send_final(self, sender: Any, response: Any) -> None:
