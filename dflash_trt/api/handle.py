@@ -50,6 +50,7 @@ class GenerationHandle:
         # per sequence: its converted log-probabilities so far (llm.py), and its latest output
         self.logprob_rows: list[list[dict[int, Logprob]]] = [[] for _ in range(count)]
         self._sequences: list[CompletionOutput | None] = [None] * count
+        self.prompt_rows: list[dict[int, Logprob] | None] | None = None  # prompt_logprobs, converted once
         self._cond = threading.Condition()
         # what iteration yields: every output when streaming, else only the final one
         self._items: list[RequestOutput] = []

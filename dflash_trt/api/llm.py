@@ -256,7 +256,7 @@ class LLM:
                 raise DFlashTrtError("the LLM was shut down", hint="create a new LLM")
             self._live[id(handle)] = handle  # before add_request: the engine may finish it at once
             try:
-                req = self.engine.add_request(ids, _request_params(sp), owner=handle)
+                req = self.engine.add_request(ids, _request_params(sp, self.tokenizer), owner=handle)
             except BaseException:
                 del self._live[id(handle)]
                 raise
@@ -516,6 +516,8 @@ class LLM:
             comp.cumulative_logprob = sum(e[0] for e in req.token_logprobs[: at.num_tokens])
         if sp.logprobs is not None:
             comp.logprobs = _logprob_rows(handle.logprob_rows[req.index], req, at.num_tokens, sp.logprobs)
+        if sp.prompt_logprobs is not None:
+            comp.prompt_logprobs = _prompt_rows(handle, req, sp.prompt_logprobs)
         return comp
 
     def _publish_stats(self) -> None:
@@ -638,12 +640,28 @@ def _logprob_rows(rows: list[dict[int, Logprob]], req: Any, n: int, k: int) -> l
     likely alternatives), converted once per token: `rows` keeps what earlier outputs converted (a
     stop rule may have dropped tokens since). Returns a copy: earlier outputs keep theirs."""
     del rows[n:]
-    for tok, (logprob, rank, top) in zip(req.output_ids[len(rows) : n], req.token_logprobs[len(rows) : n]):
-        row = {tok: Logprob(logprob, rank)}
-        for i, (t, lp) in enumerate(top[:k]):
-            row.setdefault(t, Logprob(lp, i + 1))
-        rows.append(row)
+    for tok, entry in zip(req.output_ids[len(rows) : n], req.token_logprobs[len(rows) : n]):
+        rows.append(_row(tok, entry, k))
     return list(rows)
+
+
+def _prompt_rows(handle: GenerationHandle, req: Any, k: int) -> list[dict[int, Logprob] | None]:
+    """The prompt's [{token: Logprob}] rows (None first), converted once per request (every output of
+    it carries the same list)."""
+    if handle.prompt_rows is None:
+        handle.prompt_rows = [None] + [
+            _row(tok, entry, k) for tok, entry in zip(req.prompt_ids[1:], req.prompt_token_logprobs)
+        ]
+    return handle.prompt_rows
+
+
+def _row(tok: int, entry: Any, k: int) -> dict[int, Logprob]:
+    """One token's {token: Logprob}: the token itself first, then its k most likely alternatives."""
+    logprob, rank, top = entry
+    row = {tok: Logprob(logprob, rank)}
+    for i, (t, lp) in enumerate(top[:k]):
+        row.setdefault(t, Logprob(lp, i + 1))
+    return row
 
 
 @functools.cache
@@ -741,7 +759,21 @@ def _engine_config(
     )
 
 
-def _request_params(sp: SamplingParams) -> RequestParams:
+def _bad_words(sp: SamplingParams, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """`bad` strings as token sequences (each encoded alone, without special tokens: TensorRT-LLM's rule)
+    and `bad_token_ids` as one-token words."""
+    bad = [sp.bad] if isinstance(sp.bad, str) else list(sp.bad or ())
+    if bad and tokenizer is None:
+        raise RequestError("bad words need a tokenizer, and this model has none", field="bad",
+                           hint="send bad_token_ids")  # fmt: skip
+    if not all(isinstance(w, str) and w for w in bad):
+        raise RequestError(f"bad={sp.bad!r} must be a non-empty string or a list of them", field="bad",
+                           hint='send e.g. ["badword"]')  # fmt: skip
+    words = [tuple(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in bad]
+    return tuple(words) + tuple((t,) for t in sp.bad_token_ids or ())
+
+
+def _request_params(sp: SamplingParams, tokenizer: Any = None) -> RequestParams:
     """SamplingParams in the engine's terms. Values pass through unchecked: add_request checks them."""
     from dflash_trt.engine.request import RequestParams
 
@@ -770,5 +802,7 @@ def _request_params(sp: SamplingParams) -> RequestParams:
         min_p=sp.min_p if sp.min_p is not None else 0.0,
         # best_of > n ranks its sequences by cumulative log-probability: the engine computes them
         logprobs=sp.logprobs if sp.logprobs is not None or sp.num_sequences == sp.n else 0,
+        prompt_logprobs=sp.prompt_logprobs,
+        bad_words=_bad_words(sp, tokenizer),
         n=sp.num_sequences,
     )

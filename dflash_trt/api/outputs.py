@@ -62,6 +62,9 @@ class CompletionOutput:
     # most likely ones; cumulative_logprob is the sum over the output tokens (None without logprobs)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # with SamplingParams.prompt_logprobs = k: per prompt token, as `logprobs` (None for the first, which
+    # nothing predicts)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def length(self) -> int:

@@ -28,6 +28,11 @@ class SamplingParams:
     `logprobs` = k returns each output token's log-probability and rank with the k most likely tokens'
     (k in [0, 20]; the distribution after penalties and bias, before temperature/top-k/top-p): the
     verify pass's distribution for accepted drafts and the bonus token, equal to plain decoding's.
+    `prompt_logprobs` = k scores the prompt: each prompt token's log-probability and rank with the k most
+    likely tokens' at its position (the target's raw distribution), in CompletionOutput.prompt_logprobs;
+    with it, max_tokens may be 0 (score only, as lm-eval's loglikelihood requests do).
+    `bad` (strings, each tokenized alone) and `bad_token_ids` are never generated: a word's last token is
+    banned wherever the sequence ends with its others (spec/penalties.py; with DFlash as without).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -54,6 +59,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    bad: str | list[str] | None = None
+    bad_token_ids: list[int] | None = None
     greedy_draft: bool = False
 
     @property

@@ -19,7 +19,7 @@ from dflash_trt.engine.config import PAGE_SIZE, EngineConfig
 from dflash_trt.engine.request import Request, RequestParams
 from dflash_trt.engine.round import MAX_LOGPROBS
 from dflash_trt.errors import ConfigError, RequestError
-from dflash_trt.spec.penalties import validate_penalties
+from dflash_trt.spec.penalties import validate_bad_words, validate_penalties
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import validate_sampling
 
@@ -41,7 +41,7 @@ class Admission:
     def admit(self, prompt_ids: list[int], params: RequestParams, *, owner: Any = None) -> Request:
         """The checked request. `owner` is stored on it untouched (the LLM API keeps its handle there)."""
         check_prompt_ids(prompt_ids, self.vocab_size)
-        self._check_lengths(len(prompt_ids), params.max_tokens)
+        self._check_lengths(len(prompt_ids), params.max_tokens, scoring=params.prompt_logprobs is not None)
         self._check_sampling(params)
         self._check_sequences(params.n, self.pages_needed(len(prompt_ids), params.max_tokens))
         leader = self.make_request(prompt_ids, params, owner=owner)
@@ -67,11 +67,13 @@ class Admission:
                 hint="lower n or max_tokens, or raise kv_cache_config.max_tokens",
             )
 
-    def _check_lengths(self, n: int, max_tokens: Any) -> None:
-        """max_tokens against the prompt's `n` tokens, max_seq_len and the KV cache."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    def _check_lengths(self, n: int, max_tokens: Any, *, scoring: bool = False) -> None:
+        """max_tokens against the prompt's `n` tokens, max_seq_len and the KV cache (0 only to score
+        the prompt: prompt_logprobs)."""
+        least = 0 if scoring else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
             raise RequestError(f"max_tokens={max_tokens!r} must be an integer >= 1", field="max_tokens",
-                               hint="send max_tokens >= 1")  # fmt: skip
+                               hint="send max_tokens >= 1 (0 only with prompt_logprobs)")  # fmt: skip
         limit = self.config.max_seq_len
         if n >= limit:
             raise RequestError(f"prompt has {n} tokens, not below max_seq_len={limit}", field="prompt",
@@ -100,6 +102,7 @@ class Admission:
             validate_penalties(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                                repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                                logit_bias=params.logit_bias, vocab_size=self.vocab_size)  # fmt: skip
+            validate_bad_words(params.bad_words, self.vocab_size)
         except ConfigError as exc:
             raise RequestError(exc.message, field=exc.field, hint=exc.hint) from None
         for name in ("min_tokens", "seed"):
@@ -115,12 +118,13 @@ class Admission:
                     field="stop_token_ids",
                     hint=f"use token ids in [0, {self.vocab_size})",
                 )
-        lp = params.logprobs
-        if lp is not None and (
-            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS
-        ):
-            raise RequestError(f"logprobs={lp!r} must be an integer in [0, {MAX_LOGPROBS}]", field="logprobs",
-                               hint=f"send 0 (the token's own) to {MAX_LOGPROBS} alternatives, or omit it")  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(params, name)
+            if lp is not None and (
+                isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS
+            ):
+                raise RequestError(f"{name}={lp!r} must be an integer in [0, {MAX_LOGPROBS}]", field=name,
+                                   hint=f"send 0 (the token's own) to {MAX_LOGPROBS} alternatives, or omit it")  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model has none", field="stop",
                                hint="use stop_token_ids")  # fmt: skip
@@ -163,6 +167,8 @@ class Admission:
             logit_bias=tuple((int(t), float(b)) for t, b in params.logit_bias),
             min_p=float(params.min_p),
             logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
+            bad_words=tuple(tuple(int(t) for t in w) for w in params.bad_words),
             index=index,
         )
 

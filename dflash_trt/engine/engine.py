@@ -130,8 +130,12 @@ class LLMEngine:
         for req, (_, hi) in zip(reqs, chunks):
             req.prefilled = hi
         started = [(r, t, lp) for r, t, lp in zip(reqs, firsts.tokens, firsts.logprobs) if t is not None]
-        now, updates = time.perf_counter(), []
+        now = time.perf_counter()
+        updates: list[StepUpdate] = []
         for req, tok, lp in [*started, *firsts.forked]:
+            if req.max_len == len(req.prompt_ids):  # max_tokens = 0: the prompt was only to be scored
+                updates.extend(self._update(r, [], "") for r in self._finish(req, "length"))
+                continue
             self.scheduler.start_decoding(req)
             req.first_token_time = req.last_token_time = now
             updates.append(self._postprocess(req, [tok], first=True, logprobs=None if lp is None else [lp]))

@@ -85,6 +85,11 @@ class Executor:
         """One prefill pass (`RoundParts.prefill`'s arguments) -> logits [bs, V]."""
         return self.call(PREFILL, args, {}, compile=self.compile_prefill)
 
+    def prefill_scored(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A prefill pass whose logits cover every chunk position [bs, t, V] (`RoundParts.prefill_scored`'s
+        arguments): prompt log-probabilities, run eagerly (rare, and of data-dependent size)."""
+        return self.parts.prefill_scored(*args)
+
     def call(self, kind: str, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any], *,
               compile: bool = True) -> torch.Tensor:  # fmt: skip
         """`kind` through its shape class's compiled code, or eagerly where there is none. A loaded

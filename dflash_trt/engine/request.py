@@ -46,6 +46,8 @@ class RequestParams:
     min_p: float = 0.0
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     n: int = 1  # sequences sampled from the prompt: one prefill, then n independent decodes
+    prompt_logprobs: int | None = None  # score the prompt: its tokens' log-probabilities (k alternatives)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (spec/penalties.py)
 
 
 @dataclass
@@ -69,6 +71,8 @@ class Request:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # sampled with the caller's seed: its tokens must not depend on what it is batched with, so its
     # rounds draft the full block (a draft length chosen by load would change its samples)
     reproducible: bool = False
@@ -90,6 +94,8 @@ class Request:
     tree_budgets: list[int] = field(default_factory=list)  # DDTree engines: each round's budget (0 = linear)
     # with logprobs: per output token, (its log-probability, its rank, the most likely tokens with theirs)
     token_logprobs: list[Any] = field(default_factory=list)
+    # with prompt_logprobs: per prompt token after the first, as token_logprobs (raw: before penalties)
+    prompt_token_logprobs: list[Any] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_overturned_draft_tokens: int = 0  # DFlash 2: drafts the selector picked over the drafter's argmax
@@ -115,9 +121,9 @@ class Request:
 
     @property
     def processed(self) -> bool:
-        """Whether a penalty, a logit bias or min-p changes this request's distribution."""
+        """Whether a penalty, a logit bias, a bad word or min-p changes this request's distribution."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or (self.min_p and self.temperature > 0))  # fmt: skip
+                    or self.logit_bias or self.bad_words or (self.min_p and self.temperature > 0))  # fmt: skip
 
     @property
     def finished(self) -> bool:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, slot_mapping
-from dflash_trt.spec.penalties import penalize
+from dflash_trt.spec.penalties import ANY_TOKEN, MAX_BAD_WORD_TOKENS, NO_TOKEN, ban_bad_words, penalize
 from dflash_trt.spec.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_DRAFT,
@@ -276,6 +276,15 @@ class RoundParts:
         draft cache and returns the logits at each chunk's last token [bs, V]. No data-dependent
         shapes, so that it compiles (for every chunk length in one graph): padding tokens write their
         K/V, target and draft, to slot 0 of the padding page, which no sequence reads."""
+        return self._prefill(ids, pos, valid, tables, seq_lens, last)
+
+    def prefill_scored(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, tables: torch.Tensor,
+                       seq_lens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """`prefill` with the logits of every chunk position [bs, t, V] (prompt log-probabilities; eager)."""
+        return self._prefill(ids, pos, valid, tables, seq_lens, None)
+
+    def _prefill(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         cap = tables.shape[1] * self.page_size - 1
         kv_slots = torch.where(valid, slot_mapping(tables, pos.clamp(max=cap), self.page_size), 0)
         logits, taps = self.target(ids, pos, seq_lens, self.target_cache, kv_slots,
@@ -309,16 +318,22 @@ class RoundParts:
 
 class Penalties:
     """Per request row (the spare last row belongs to padding): counts of the tokens generated so far,
-    the tokens of the prompt or generated so far, and the request's logit bias, each [rows, V]
-    (spec/penalties.py says what they do). A row is set when its request's prompt is complete (`start`)
-    and counts every committed token after (`add`)."""
+    the tokens of the prompt or generated so far, and the request's logit bias, each [rows, V]; its bad
+    words (each but its last token, right-aligned [rows, NB, W], and the last [rows, NB]) and the W latest
+    tokens of its sequence [rows, W] (spec/penalties.py says what they do). A row is set when its
+    request's prompt is complete (`start`) and counts every committed token after (`add`)."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         self.counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        w = MAX_BAD_WORD_TOKENS - 1
+        self.recent = torch.full((rows, w), NO_TOKEN, dtype=torch.long, device=device)
+        self.prefixes = torch.full((rows, 0, w), ANY_TOKEN, dtype=torch.long, device=device)
+        self.lasts = torch.full((rows, 0), ANY_TOKEN, dtype=torch.long, device=device)
 
-    def start(self, row: int, prompt_ids: list[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
+    def start(self, row: int, prompt_ids: list[int], logit_bias: tuple[tuple[int, float], ...],
+              bad_words: tuple[tuple[int, ...], ...] = ()) -> None:  # fmt: skip
         dev = self.counts.device
         self.counts[row].zero_()
         self.seen[row].zero_()
@@ -329,6 +344,29 @@ class Penalties:
             self.bias[row, torch.tensor(ids, device=dev)] = torch.tensor(
                 values, dtype=torch.float32, device=dev
             )
+        w = self.recent.shape[1]
+        tail = prompt_ids[-w:]
+        self.recent[row] = torch.tensor([NO_TOKEN] * (w - len(tail)) + tail, dtype=torch.long, device=dev)
+        self._set_words(row, bad_words)
+
+    def _set_words(self, row: int, words: tuple[tuple[int, ...], ...]) -> None:
+        """The row's bad words (the tables grow to the most words a request has named)."""
+        if len(words) > self.lasts.shape[1]:
+            grow = max(len(words), 2 * self.lasts.shape[1]) - self.lasts.shape[1]
+            self.prefixes = torch.cat([self.prefixes, self.prefixes.new_full((self.prefixes.shape[0], grow,
+                                                                              self.prefixes.shape[2]), ANY_TOKEN)], 1)  # fmt: skip
+            self.lasts = torch.cat(
+                [self.lasts, self.lasts.new_full((self.lasts.shape[0], grow), ANY_TOKEN)], 1
+            )
+        w = self.prefixes.shape[2]
+        self.prefixes[row] = ANY_TOKEN
+        self.lasts[row] = ANY_TOKEN
+        for i, word in enumerate(words):
+            head = list(word[:-1])
+            self.prefixes[row, i] = torch.tensor(
+                [ANY_TOKEN] * (w - len(head)) + head, device=self.lasts.device
+            )
+            self.lasts[row, i] = word[-1]
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         """tokens [bs, n] where valid [bs, n]: committed by the requests of `rows` [bs]."""
@@ -336,6 +374,19 @@ class Penalties:
         self.counts.index_put_(idx, valid.float(), accumulate=True)
         # only the committed tokens' entries change; entries of one token all write the same value
         self.seen.index_put_(idx, self.seen[idx] | (self.counts[idx] > 0))
+        if self.lasts.shape[1]:  # the sequences' latest tokens (valid is a prefix of each row)
+            w = self.recent.shape[1]
+            seq = torch.cat([self.recent[rows], tokens], dim=1)  # [bs, w + n]
+            at = valid.sum(dim=1, keepdim=True) + torch.arange(w, device=seq.device)
+            self.recent[rows] = seq.gather(1, at)
+
+    def ban(self, rows: torch.Tensor, scores: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """scores [bs, g + 1, V] of positions after the rows' latest tokens, drafts [bs, g] in between ->
+        each row's bad words banned where they would complete (no-op while no request names any)."""
+        if not self.lasts.shape[1]:
+            return scores
+        windows = torch.cat([self.recent[rows], drafts], dim=1).unfold(1, self.recent.shape[1], 1)
+        return ban_bad_words(scores, windows, self.prefixes[rows], self.lasts[rows])
 
     def apply(self, x: RoundInputs, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """logits [bs, g + 1, V] of a block whose drafts [bs, g] precede positions 1..g -> penalized, each
@@ -353,9 +404,9 @@ class Penalties:
             scores = penalize(
                 logits, counts[:, None], seen[:, None], bias[:, None], *(t[:, :, None] for t in (r, f, p))
             )
-        if drafts.shape[1] == 0:
-            return scores
-        return _with_drafts_counted(scores, raw, tok, drafts, counts, bias, r, f, p)
+        if drafts.shape[1]:
+            scores = _with_drafts_counted(scores, raw, tok, drafts, counts, bias, r, f, p)
+        return self.ban(x.rows, scores, drafts)
 
 
 def _penalize_touched(scores: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, bias: torch.Tensor,

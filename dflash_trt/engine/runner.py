@@ -75,7 +75,13 @@ class ModelRunner:
         seq_lens = torch.tensor([hi for _, hi in chunks], device=dev)
         last = torch.tensor([hi - lo - 1 for lo, hi in chunks], device=dev)
         tables = page_tables([s.pages for s in reqs], width, dev)
-        logits = self.executor.prefill((ids.to(dev), pos.to(dev), valid.to(dev), tables, seq_lens, last))
+        args = (ids.to(dev), pos.to(dev), valid.to(dev), tables, seq_lens)
+        if any(s.prompt_logprobs is not None for s in reqs):
+            every = self.executor.prefill_scored(args)  # [bs, t, V]
+            self._score_prompts(reqs, chunks, every)
+            logits = every[torch.arange(bs, device=dev), last]
+        else:
+            logits = self.executor.prefill((*args, last))
         done = [hi == len(s.prompt_ids) for s, (_, hi) in zip(reqs, chunks)]
         out = Prefilled([None] * bs, [None] * bs)
         if any(done):
@@ -106,6 +112,19 @@ class ModelRunner:
         forked = tuple((sib, tokens[bs + j], logprobs[bs + j]) for j, (_, sib) in enumerate(forks))
         return Prefilled(firsts[:bs], logprobs[:bs], forked)
 
+    @staticmethod
+    def _score_prompts(reqs: list[Request], chunks: list[tuple[int, int]], every: torch.Tensor) -> None:
+        """Each scored chunk's log-probabilities of the prompt tokens it predicts: position p's logits
+        score token p + 1 (the last prompt position's predict the first generated token: not a prompt
+        token). The target's raw distribution: penalties and bias apply to generated tokens."""
+        for i, (s, (lo, hi)) in enumerate(zip(reqs, chunks)):
+            m = min(hi, len(s.prompt_ids) - 1) - lo
+            if s.prompt_logprobs is None or m <= 0:
+                continue
+            chosen = torch.tensor([s.prompt_ids[lo + 1 : lo + 1 + m]], device=every.device)
+            values = token_logprobs(every[i : i + 1, :m], chosen).tolist()[0]
+            s.prompt_token_logprobs.extend(parse_logprobs(values, m))
+
     def _fork(self, leader: Request) -> list[Request]:
         """A leader's prompt is in the caches: copy its pages (target and draft) to the siblings still
         waiting for it, which then run as requests of their own. Returns them."""
@@ -116,6 +135,7 @@ class ModelRunner:
             if self.parts.draft_cache is not None:
                 self.parts.draft_cache.copy_pages(leader.pages[:used], sib.pages[:used])
             sib.prefilled = len(sib.prompt_ids)
+            sib.prompt_token_logprobs = list(leader.prompt_token_logprobs)
         return siblings
 
     def _first_logprobs(self, reqs: list[Request], done: list[bool], logits: torch.Tensor,
@@ -150,13 +170,14 @@ class ModelRunner:
         state = self.parts.penalty_state()
         for s, d in zip(reqs, done):
             if d:
-                state.start(s.row, s.prompt_ids, s.logit_bias)
+                state.start(s.row, s.prompt_ids, s.logit_bias, s.bad_words)
         rows = torch.tensor([s.row for s in reqs], device=self.device)
         per = [
             torch.tensor([[getattr(s, n)] for s in reqs], dtype=torch.float32, device=self.device)
             for n in ("repetition_penalty", "frequency_penalty", "presence_penalty")
         ]  # fmt: skip  [bs, 1]
-        return penalize(logits, state.counts[rows], state.seen[rows], state.bias[rows], *per)
+        scores = penalize(logits, state.counts[rows], state.seen[rows], state.bias[rows], *per)
+        return state.ban(rows, scores[:, None], scores.new_zeros(len(reqs), 0, dtype=torch.long))[:, 0]
 
     def _count_first(self, reqs: list[Request], processed: list[bool], tokens: list[int]) -> None:
         rows = [s.row for s, on in zip(reqs, processed) if on]

@@ -205,6 +205,8 @@ def _fold(out: P.Outcome, piece: Piece, *, delta: bool) -> None:
         out.prompt_tokens = int(piece.prompt_tokens)
     if piece.final:
         out.stats = piece.stats
+    if piece.prompt_logprobs is not None:
+        out.prompt_ids, out.prompt_logprobs = piece.prompt_ids, piece.prompt_logprobs
     for i, seq in enumerate(piece.seqs):
         choice = out.choice(i)
         if seq.completion_tokens is not None:
@@ -234,6 +236,7 @@ class _ChoiceStream:
 
     def __init__(self, gen: P.Generation) -> None:
         self.role = gen.kind == "chat"
+        self.echo = gen.prompt if gen.echo else None  # completions' echo: the prompt goes out first
         self.holdback = P.StopHoldback(gen.stop) if gen.stop else None  # Triton then sends accumulated text
         self.rows = 0
         self.chars = 0
@@ -241,6 +244,8 @@ class _ChoiceStream:
     def news(self, gen: P.Generation, seq: Any, final: bool, token_text: Any) -> tuple[str, Any]:
         """This response's new text and the logprobs object of its new tokens (None without)."""
         text = seq.text if self.holdback is None else self.holdback.delta(seq.text, final=final)
+        if self.echo is not None:
+            text, self.echo = self.echo + text, None
         logprobs = None
         if seq.logprobs is not None:  # every token so far when the text is accumulated
             rows = seq.logprobs if self.holdback is None else seq.logprobs[self.rows :]

@@ -103,6 +103,8 @@ class Generation:
     logprobs: int | None = None  # alternatives per token (completions' logprobs, chat's top_logprobs)
     n: int = 1  # choices, sampled from one prefill of the prompt
     best_of: int | None = None  # candidates of which the n most likely are returned (not streamed)
+    echo: bool = False  # completions: the prompt before each choice's text (and its log-probabilities)
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -126,7 +128,7 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
 }
 _WHY = {
-    "echo": ("echo is not supported", "omit echo and prepend the prompt yourself"),
+    "echo": ("echo is a /v1/completions field", "omit echo"),
     "suffix": ("insertion (suffix) is not supported", "omit suffix"),
     "tools": ("tool calling is not supported", "omit tools"),
     "functions": ("function calling is not supported", "omit functions"),
@@ -145,7 +147,7 @@ _IGNORED = frozenset({"user", "metadata", "service_tier", "stream_options"})
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "min_tokens", "stream", "stream_options", "logprobs", "frequency_penalty",
                      "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "n",
-                     "best_of"})  # fmt: skip
+                     "best_of", "bad_words"})  # fmt: skip
 # the distribution's fields (spec/penalties.py): numbers the engine range-checks
 _PENALTIES = {"frequency_penalty": "send a number in [-2, 2]; 0 = off", "presence_penalty": "send a number in [-2, 2]; 0 = off",
               "repetition_penalty": "send a number > 0; 1 = off", "min_p": "send a number in [0, 1]; 0 = off"}  # fmt: skip
@@ -164,6 +166,8 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str] | set[str], endpoi
         if key not in allowed:
             raise bad(key, body[key], f"{endpoint} does not support this parameter", f"remove {key}")
     for key, ok in _OFF_ONLY.items():
+        if key == "echo" and endpoint == "/v1/completions":
+            continue  # served there (parse_completions)
         if key in body and body[key] not in ok and not (key == "modalities" and body[key] == ["text"]):
             problem, fix = _WHY[key]
             raise bad(key, body[key], problem, fix)
@@ -219,21 +223,7 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
         {"top_k": top_k}, "top_k", lo=INT32[0], hi=INT32[1], fix="send an integer >= 0 (0 or -1 = off)"
     )
     gen.seed = _int(body, "seed", lo=0, hi=2**64 - 1, fix="send a non-negative integer")  # UINT64
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise bad("stop", body.get("stop"), "must be a non-empty string or a list of non-empty strings",
-                      "send stop strings; stop token ids go in stop_token_ids")  # fmt: skip
-        gen.stop = list(stop)
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and INT32[0] <= i <= INT32[1] for i in ids
-        ):
-            raise bad("stop_token_ids", ids, "must be a list of token ids (integers)", "send e.g. [2]")
-        gen.stop_token_ids = list(ids)
+    _stops(body, gen)
     gen.ignore_eos = _bool(body, "ignore_eos")
     gen.min_tokens = _int(body, "min_tokens", lo=INT32[0], hi=INT32[1], fix="send an integer >= 0")
     for key, fix in _PENALTIES.items():
@@ -255,6 +245,30 @@ def _common(body: dict[str, Any], gen: Generation, served: list[str]) -> None:
                           "use include_usage (or continuous_usage_stats)")  # fmt: skip
         gen.include_usage = _bool(opts, "include_usage", prefix="stream_options.")
         gen.continuous_usage = _bool(opts, "continuous_usage_stats", prefix="stream_options.")
+
+
+def _stops(body: dict[str, Any], gen: Generation) -> None:
+    """stop strings, stop_token_ids and bad_words (vLLM's)."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", body.get("stop"), "must be a non-empty string or a list of non-empty strings",
+                      "send stop strings; stop token ids go in stop_token_ids")  # fmt: skip
+        gen.stop = list(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and INT32[0] <= i <= INT32[1] for i in ids
+        ):
+            raise bad("stop_token_ids", ids, "must be a list of token ids (integers)", "send e.g. [2]")
+        gen.stop_token_ids = list(ids)
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+            raise bad("bad_words", words, "must be a list of non-empty strings", 'send e.g. ["darn"]')
+        gen.bad_words = list(words)
 
 
 def _choices(body: dict[str, Any], gen: Generation) -> None:
@@ -320,6 +334,18 @@ def logprobs_body(gen: Generation, rows: list[Any] | None, token_text: Any, *, o
             "text_offset": offsets}  # fmt: skip
 
 
+def echo_logprobs(gen: Generation, o: Outcome, choice: Choice, token_text: Any) -> Any:
+    """Completions' logprobs object with echo: the prompt's tokens first (the first has no
+    log-probability: null), then the choice's."""
+    body = logprobs_body(gen, o.prompt_logprobs or [], token_text)
+    first = token_text(o.prompt_ids[0]) if o.prompt_ids else ""
+    rest = logprobs_body(gen, choice.logprobs or [], token_text, offset=len(gen.prompt or ""))
+    return {"tokens": [first, *body["tokens"], *rest["tokens"]],
+            "token_logprobs": [None, *body["token_logprobs"], *rest["token_logprobs"]],
+            "top_logprobs": [None, *body["top_logprobs"], *rest["top_logprobs"]],
+            "text_offset": [0, *(len(first) + x for x in body["text_offset"]), *rest["text_offset"]]}  # fmt: skip
+
+
 def _max_tokens(gen: Generation, key: str, value: Any) -> None:
     """max_tokens (or chat's max_completion_tokens), as far as the INT32 input carries it."""
     if value is None:
@@ -346,6 +372,10 @@ def parse_completions(body: Any, served: list[str]) -> Generation:
     lp = body.get("logprobs")
     if lp is not None:  # OpenAI's completions: 0..5 alternatives per token
         gen.logprobs = _int(body, "logprobs", lo=0, hi=5, fix="send an integer in [0, 5]")
+    gen.echo = _bool(body, "echo")
+    if gen.echo and gen.stream and gen.logprobs is not None:
+        raise bad("echo", True, "the prompt's log-probabilities are not streamed",
+                  "send stream: false to score the prompt, or omit logprobs")  # fmt: skip
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -363,6 +393,12 @@ def parse_completions(body: Any, served: list[str]) -> Generation:
     gen.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     _max_tokens(gen, "max_tokens", body.get("max_tokens"))
     return gen
+
+
+def scores_prompt(gen: Generation) -> bool:
+    """Whether the model must score the prompt: echo with logprobs, or echo alone with max_tokens 0 (the
+    engine takes max_tokens 0 only from a request that scores its prompt)."""
+    return gen.echo and (gen.logprobs is not None or gen.max_tokens == 0)
 
 
 def parse_chat(body: Any, served: list[str]) -> Generation:
@@ -491,6 +527,8 @@ class Outcome:
     choices: list[Choice] = field(default_factory=lambda: [Choice()])
     prompt_tokens: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)  # with echo and logprobs: the prompt scored
+    prompt_logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
 
     def choice(self, index: int) -> Choice:
         while len(self.choices) <= index:
@@ -526,7 +564,11 @@ def full_response(
     choices = []
     for i, ch in enumerate(o.choices):
         fr = finish_reason(ch.finish_reason) or "stop"
-        logprobs = logprobs_body(gen, ch.logprobs, name)
+        if gen.echo:
+            logprobs = echo_logprobs(gen, o, ch, name) if gen.logprobs is not None else None
+            ch = Choice(text=(gen.prompt or "") + ch.text, completion_tokens=ch.completion_tokens)
+        else:
+            logprobs = logprobs_body(gen, ch.logprobs, name)
         if gen.kind == "chat":
             message = {"role": "assistant", "content": ch.text, "refusal": None}
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": fr})

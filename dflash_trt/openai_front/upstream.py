@@ -23,7 +23,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
-from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError
+from dflash_trt.openai_front.protocol import DFLASH_STATS, Generation, OpenAIError, scores_prompt
 from dflash_trt.triton.kserve import decode_raw, parse_model_error
 from dflash_trt.utils.api_key import ApiKey
 
@@ -57,6 +57,8 @@ class Piece:
     prompt_tokens: int | None
     final: bool
     stats: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)  # with prompt log-probabilities (final only)
+    prompt_logprobs: list[LogprobRow] | None = None  # per prompt token after the first
 
 
 def _values(response: Any) -> dict[str, list[Any]]:
@@ -206,6 +208,8 @@ class Upstream:
             values.append(("sampling_param_seed", "UINT64", [gen.seed]))
         if gen.stop:
             values.append(("sampling_param_stop", "BYTES", [s.encode("utf-8") for s in gen.stop]))
+        if gen.bad_words:
+            values.append(("sampling_param_bad", "BYTES", [w.encode("utf-8") for w in gen.bad_words]))
         if gen.stop_token_ids:
             values.append(("sampling_param_stop_token_ids", "INT32", gen.stop_token_ids))
         if gen.ignore_eos:
@@ -218,6 +222,8 @@ class Upstream:
             values.append(("sampling_param_n", "INT32", [gen.n]))
         if gen.best_of is not None:
             values.append(("sampling_param_best_of", "INT32", [gen.best_of]))
+        if scores_prompt(gen):
+            values.append(("sampling_param_prompt_logprobs", "INT32", [gen.logprobs or 0]))
         for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
             if getattr(gen, name) is not None:
                 values.append((f"sampling_param_{name}", "FP32", [getattr(gen, name)]))
@@ -326,17 +332,25 @@ def _piece(response: Any) -> Piece:
     piece = Piece(seqs=seqs, prompt_tokens=(values.get("num_input_tokens") or [None])[0], final=final)
     if final:
         piece.stats = {k: (values.get(k) or [None])[0] for k in STATS_OUTPUTS}
+    if "prompt_log_probs" in values:
+        piece.prompt_ids = values["prompt_token_ids"]
+        piece.prompt_logprobs = _rows(values["prompt_token_ids"][1:], values["prompt_log_probs"],
+                                      values["prompt_top_token_ids"], values["prompt_top_log_probs"])  # fmt: skip
     return piece
+
+
+def _rows(ids: list[int], lps: list[float], top_ids: list[int], top_lps: list[float]) -> list[LogprobRow]:
+    """Per token: (id, log-probability, its k alternatives), k = len(top_ids) / len(ids)."""
+    k = len(top_ids) // len(ids) if ids else 0
+    return [(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
+            for j, (t, lp) in enumerate(zip(ids, lps))]  # fmt: skip
 
 
 def _logprobs(values: dict[str, list[Any]], n: int) -> list[list[LogprobRow] | None]:
     """The log-probability outputs of a response (output_token_ids, output_log_probs, output_top_*),
     split into the n sequences by output_lengths (all of them in sequence 0 without it)."""
-    ids, lps = values["output_token_ids"], values["output_log_probs"]
-    top_ids, top_lps = values.get("output_top_token_ids", []), values.get("output_top_log_probs", [])
-    k = len(top_ids) // len(ids) if ids else 0
-    rows = [(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
-            for j, (t, lp) in enumerate(zip(ids, lps))]  # fmt: skip
+    rows = _rows(values["output_token_ids"], values["output_log_probs"], values.get("output_top_token_ids", []),
+                 values.get("output_top_log_probs", []))  # fmt: skip
     lengths = values.get("output_lengths") or [len(rows)] + [0] * (n - 1)
     out: list[list[LogprobRow] | None] = []
     at = 0

@@ -9,6 +9,8 @@ accepted before that position included), the raw logits l become, in this order:
   2. frequency_penalty f and presence_penalty p: l - f * count_O(t) - p * [count_O(t) > 0] (OpenAI's rule:
      generated tokens only);
   3. logit_bias: l + bias[t];
+  4. bad words: a word's last token is -inf wherever the sequence so far ends with its other tokens
+     (always, for a one-token word: TensorRT-LLM's `bad` / `bad_token_ids`);
 then temperature, and min_p m: a token whose tempered probability is below m times the largest one is
 dropped (before top-k and top-p). Greedy requests take the argmax of steps 1-3.
 
@@ -28,6 +30,10 @@ from dflash_trt.errors import ConfigError
 
 MAX_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_BAD_WORDS = 256  # bad words a request may name
+MAX_BAD_WORD_TOKENS = 16  # tokens in one bad word
+ANY_TOKEN = -1  # in a bad word's right-aligned prefix: no token to match (and a row's unused words)
+NO_TOKEN = -2  # in a sequence's latest tokens: before its start
 
 
 def validate_penalties(*, presence_penalty: Any, frequency_penalty: Any, repetition_penalty: Any, min_p: Any,
@@ -52,6 +58,35 @@ def validate_penalties(*, presence_penalty: Any, frequency_penalty: Any, repetit
         if not _number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
             raise ConfigError("logit_bias", bias, f"bias for token {token} must be in [-100, 100]",
                               hint="send values in [-100, 100]")  # fmt: skip
+
+
+def validate_bad_words(bad_words: Any, vocab_size: int) -> None:
+    """Bad words as token-id sequences: how many, how long, ids in the vocabulary; ConfigError naming
+    `bad_words`."""
+    if len(bad_words) > MAX_BAD_WORDS:
+        raise ConfigError("bad_words", len(bad_words), f"more than {MAX_BAD_WORDS} words",
+                          hint=f"send at most {MAX_BAD_WORDS}")  # fmt: skip
+    for word in bad_words:
+        if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+            raise ConfigError("bad_words", list(word), f"a word must be 1 to {MAX_BAD_WORD_TOKENS} tokens",
+                              hint="split or drop it")  # fmt: skip
+        for t in word:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ConfigError("bad_words", t, f"token id out of range for vocab_size={vocab_size}",
+                                  hint=f"use token ids in [0, {vocab_size})")  # fmt: skip
+
+
+def ban_bad_words(scores: torch.Tensor, windows: torch.Tensor, prefixes: torch.Tensor,
+                  lasts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Step 4. scores [bs, n, V]; windows [bs, n, W]: the W tokens before each position (-2 where the
+    sequence has none); prefixes [bs, NB, W]: each word but its last token, right-aligned (-1: any
+    token); lasts [bs, NB]: each word's last token (-1: no word) -> scores with the banned tokens -inf.
+    (-2 and -1 are NO_TOKEN and ANY_TOKEN.)"""
+    same = (windows[:, :, None, :] == prefixes[:, None]) | (prefixes[:, None] == ANY_TOKEN)
+    match = same.all(dim=-1) & (lasts[:, None, :] >= 0)  # [bs, n, NB]
+    hits = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+    hits.scatter_add_(2, lasts.clamp(min=0)[:, None, :].expand_as(match), match.float())
+    return scores.masked_fill(hits > 0, -math.inf)
 
 
 def _number(value: Any) -> bool:

@@ -69,6 +69,9 @@ INPUTS: tuple[Port, ...] = (
     Port("sampling_param_logit_bias", "TYPE_STRING", (1,), ours=True),  # JSON: token id -> bias
     Port("sampling_param_logprobs", "TYPE_INT32", (1,), ours=True),  # k alternatives per token
     Port("sampling_param_n", "TYPE_INT32", (1,), ours=True),  # sequences from one prefill of the prompt
+    Port("sampling_param_prompt_logprobs", "TYPE_INT32", (1,), ours=True),  # k: score the prompt
+    Port("sampling_param_bad", "TYPE_STRING", (-1,), ours=True),  # words never generated
+    Port("sampling_param_bad_token_ids", "TYPE_INT32", (-1,), ours=True),
     Port("streaming_delta", "TYPE_BOOL", (1,), ours=True),
 )
 
@@ -99,6 +102,10 @@ OUTPUTS: tuple[Port, ...] = (
     Port("output_top_token_ids", "TYPE_INT32", (-1,), ours=True),  # k per token, the most likely first
     Port("output_top_log_probs", "TYPE_FP32", (-1,), ours=True),
     Port("output_lengths", "TYPE_INT32", (-1,), ours=True),  # each sequence's tokens in the four above
+    Port("prompt_token_ids", "TYPE_INT32", (-1,), ours=True),  # with sampling_param_prompt_logprobs
+    Port("prompt_log_probs", "TYPE_FP32", (-1,), ours=True),  # per prompt token after the first
+    Port("prompt_top_token_ids", "TYPE_INT32", (-1,), ours=True),  # k per scored prompt token
+    Port("prompt_top_log_probs", "TYPE_FP32", (-1,), ours=True),
 )
 
 ENGINES = ("dflash_trt", "tensorrt_llm")

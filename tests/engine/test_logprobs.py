@@ -111,3 +111,52 @@ def test_bad_logprobs_are_refused_by_field(value):
         with pytest.raises(RequestError) as err:
             llm.generate("x", SamplingParams(max_tokens=2, logprobs=value))
         assert err.value.field == "logprobs"
+
+
+@pytest.mark.parametrize("draft", [True, False])
+def test_prompt_logprobs_are_the_targets_over_the_prompt(tiny_model, draft):
+    """prompt_logprobs = k: each prompt token after the first gets the target's raw log-probability and
+    rank there, with the k most likely tokens', across prefill chunks (max_num_tokens 16 splits the
+    prompt), shared by the n sequences of one request; max_tokens 0 scores the prompt only."""
+    from dflash_trt.tiny import build_byte_tokenizer, heldout_prompts
+
+    ids = build_byte_tokenizer().encode(heldout_prompts()[0])[:50]
+    with torch.no_grad():
+        lsm = torch.log_softmax(tiny_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    kwargs = {"speculative_config": SPEC} if draft else {}
+    with LLM("tiny", dtype="float32", max_batch_size=2, max_num_tokens=16, compile=False, **kwargs) as llm:
+        scored = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=3))
+        both = llm.generate(ids, SamplingParams(max_tokens=6, n=2, temperature=0.8, prompt_logprobs=0))
+    comp = scored.outputs[0]
+    assert comp.token_ids == [] and comp.finish_reason == "length" and comp.prompt_logprobs[0] is None
+    assert len(comp.prompt_logprobs) == len(ids)
+    for p, (tok, row) in enumerate(zip(ids[1:], comp.prompt_logprobs[1:])):
+        want = lsm[p]
+        assert abs(row[tok].logprob - float(want[tok])) < 1e-3
+        assert row[tok].rank == int((want > want[tok]).sum()) + 1
+        top = sorted((lp.rank, t) for t, lp in row.items() if lp.rank <= 3)
+        assert [t for _, t in top] == want.topk(3).indices.tolist()
+    scores = [r[t].logprob for t, r in zip(ids[1:], comp.prompt_logprobs[1:])]
+    for c in both.outputs:
+        assert len(c.token_ids) == 6 and c.prompt_logprobs[0] is None
+        assert [r[t].logprob for t, r in zip(ids[1:], c.prompt_logprobs[1:])] == pytest.approx(
+            scores, abs=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "pattern"),
+    [
+        ({"prompt_logprobs": 21}, "prompt_logprobs", r"prompt_logprobs=21 must be an integer in \[0, 20\]"),
+        (
+            {"max_tokens": 0},
+            "max_tokens",
+            r"max_tokens=0 must be an integer >= 1.*0 only with prompt_logprobs",
+        ),
+    ],
+)
+def test_bad_prompt_logprobs_and_max_tokens_0_are_refused_by_field(kwargs, field, pattern):
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        with pytest.raises(RequestError, match=pattern) as info:
+            llm.generate_async([1, 2, 3], SamplingParams(**kwargs))
+        assert info.value.field == field

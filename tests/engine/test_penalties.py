@@ -223,3 +223,76 @@ def test_the_llm_api_takes_penalties_bias_and_min_p(pair):
         model, [3, 1, 4], 12, {"repetition_penalty": 1.3, "presence_penalty": 0.5}
     )
     assert outs[0][1] == [6] * 6
+
+
+def reference_banned(model, prompt: list[int], steps: int, words: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Greedy decoding that bans each word's last token wherever the sequence ends with its others."""
+    out: list[int] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            scores = model(torch.tensor([prompt + out])).logits[0, -1].tolist()
+        seq = prompt + out
+        for w in words:
+            if len(w) == 1 or seq[len(seq) - len(w) + 1 :] == list(w[:-1]):
+                scores[w[-1]] = float("-inf")
+        out.append(max(range(len(scores)), key=lambda t: (scores[t], -t)))
+    return out
+
+
+def contains(seq: list[int], word: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i : i + len(word)]) == word for i in range(len(seq) - len(word) + 1))
+
+
+@pytest.mark.parametrize(
+    ("variant", "static"),
+    [("v1", False), ("v1", True), ("dflash2", False), ("tree", False), ("plain", False)],
+)
+def test_bad_words_are_never_generated_and_dflash_equals_the_loop(tiny, variant, static):
+    """Words of one, two and three tokens taken from the free greedy output: DFlash (eager, static,
+    DFlash 2, DDTree) and plain decoding equal the loop that bans them, and none of them appears; sampled
+    requests never emit them either."""
+    from dflash_trt.tiny import build_byte_tokenizer, ensure_tiny, heldout_prompts
+
+    tdir, ddir, model = tiny
+    ddir = {"dflash2": ensure_tiny().drafter_dflash2, "plain": None}.get(variant, ddir)
+    prompts = [build_byte_tokenizer().encode(t)[:40] for t in heldout_prompts()[:3]]
+    jobs, words = [], []
+    for pr in prompts:
+        free = reference_banned(model, pr, 24, ())
+        w = ((free[2],), (free[6], free[7]), (free[12], free[13], free[14]))
+        words.append(w)
+        jobs.append((pr, RequestParams(max_tokens=24, ignore_eos=True, bad_words=w)))
+        jobs.append((pr, RequestParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=5, bad_words=w)))
+    engine = engine_for(tdir, ddir, static=static, block=16, seq=160, tree=12 if variant == "tree" else 0)
+    reqs = run(engine, jobs)
+    for i, pr in enumerate(prompts):
+        greedy, sampled = reqs[2 * i], reqs[2 * i + 1]
+        assert greedy.output_ids == reference_banned(model, pr, 24, words[i])
+        for out in (greedy.output_ids, sampled.output_ids):
+            assert not any(contains(pr[-2:] + out, w) for w in words[i]), (variant, words[i], out)
+    if ddir is not None:
+        assert sum(r.num_accepted_draft_tokens for r in reqs) > 20, "drafts were almost never accepted"
+
+
+@pytest.mark.parametrize(
+    ("words", "pattern"),
+    [(((1,) * 17,), r"a word must be 1 to 16 tokens"), (((999,),), r"out of range for vocab_size"),
+     (((),), r"a word must be 1 to 16 tokens"), (((1,),) * 257, r"more than 256 words")],
+)  # fmt: skip
+def test_bad_words_out_of_range_are_refused_by_field(pair, words, pattern):
+    tdir, ddir, _ = pair
+    engine = engine_for(tdir, ddir, batch=1)
+    with pytest.raises(RequestError, match=pattern) as info:
+        engine.add_request([1, 2, 3], RequestParams(max_tokens=4, bad_words=words))
+    assert info.value.field == "bad_words"
+
+
+def test_bad_strings_through_the_llm_api():
+    """`bad` strings are tokenized alone; `bad_token_ids` are one-token words; greedy text avoids them."""
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        prompt = "class Foo:\n    def "  # greedy: "__init__(self, ..."
+        free = llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].text
+        out = llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, bad=["init"],
+                                                  bad_token_ids=[ord("(")])).outputs[0]  # fmt: skip
+        assert "init" in free and "(" in free
+        assert "init" not in out.text and "(" not in out.text and out.text != free

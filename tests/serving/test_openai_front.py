@@ -197,7 +197,7 @@ BAD_COMPLETIONS = [
     ({"n": 2, "best_of": 1}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),  # the best are known only at the end
     ({"logprobs": 9}, "logprobs"),  # completions carry 0..5
-    ({"echo": True}, "echo"),
+    ({"echo": True, "logprobs": 1, "stream": True}, "echo"),  # the prompt's scores are not streamed
     ({"suffix": "x"}, "suffix"),
     ({"presence_penalty": 2.5}, "presence_penalty"),  # the engine's range, named through Triton
     ({"logit_bias": {"x": 1}}, "logit_bias"),  # not a token id: the front's
@@ -214,6 +214,7 @@ BAD_COMPLETIONS = [
     ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
     ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),  # outside the vocabulary
     ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos"),
+    ({"extra_body": {"bad_words": "darn"}}, "bad_words"),  # a list of strings
     ({"extra_body": {"stop_token_ids": ["a"]}}, "stop_token_ids"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -224,6 +225,7 @@ BAD_COMPLETIONS = [
 ]
 BAD_CHAT = [
     ({"n": 0}, "n"),
+    ({"extra_body": {"echo": True}}, "echo"),  # a completions field
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -339,6 +341,50 @@ def test_n_choices_best_of_and_streamed_logprobs(client) -> None:
             text[c.index] += c.delta.content or ""
             tokens[c.index] += "".join(e.token for e in (c.logprobs.content if c.logprobs else []))
     assert text == tokens == [c.message.content for c in full.choices]
+
+
+def test_bad_words_are_never_generated(client) -> None:
+    """vLLM's bad_words: the served text is the LLM API's with `bad` set, and avoids the words."""
+    from dflash_trt import LLM, SamplingParams
+
+    prompt = "class Foo:\n    def "  # greedy: "__init__(self, ..."
+    kw = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    got = (
+        client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": ["init"]})
+        .choices[0]
+        .text
+    )
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        want = llm.generate(
+            prompt, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0, bad=["init"])
+        )
+    assert got == want.outputs[0].text and "init" in free and "init" not in got
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(client) -> None:
+    """echo with logprobs and max_tokens 0 (lm-eval's loglikelihood request): the prompt back with its
+    tokens' log-probabilities (the first null), the LLM API's; echo with a completion: the prompt, then
+    the text a request without echo gets, streamed or not."""
+    from dflash_trt import LLM, SamplingParams
+
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    ids = out.prompt_token_ids
+    assert r.choices[0].text == PROMPT == "".join(lp.tokens) and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [row[t].logprob for t, row in zip(ids[1:], out.outputs[0].prompt_logprobs[1:])]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:]) and lp.text_offset[:2] == [0, 1]
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(echo=True, **kw).choices[0].text == PROMPT + plain
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw) if c.choices
+    )
+    assert streamed == PROMPT + plain
 
 
 def test_the_engine_decides_what_values_mean(client) -> None:

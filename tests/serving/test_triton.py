@@ -153,6 +153,38 @@ def test_n_sequences_over_http_and_grpc_streaming(server):
     assert texts == alone[:2] and [len(x) for x in ids] == [16, 16]
 
 
+def test_prompt_log_probabilities_over_http(server):
+    """sampling_param_prompt_logprobs = k with max_tokens 0: the prompt scored, as the LLM API scores it."""
+    from dflash_trt import LLM, SamplingParams
+
+    out = http_generate(server, {"text_input": PROMPT, "sampling_param_max_tokens": 0,
+                                 "sampling_param_prompt_logprobs": 2}).json()  # fmt: skip
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        want = (
+            llm.generate(PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2)).outputs[0].prompt_logprobs
+        )
+    ids = out["prompt_token_ids"]
+    assert out["text_output"] == "" and out["num_output_tokens"] == 0 and len(ids) == len(want)
+    assert out["prompt_log_probs"] == pytest.approx(
+        [r[t].logprob for t, r in zip(ids[1:], want[1:])], abs=1e-4
+    )
+    assert len(out["prompt_top_token_ids"]) == len(out["prompt_top_log_probs"]) == 2 * (len(ids) - 1)
+
+
+def test_bad_words_over_http(server):
+    """sampling_param_bad (strings) and sampling_param_bad_token_ids: what the LLM API generates with them."""
+    from dflash_trt import LLM, SamplingParams
+
+    prompt = "class Foo:\n    def "  # greedy: "__init__(self, ..."
+    body = {"text_input": prompt, "sampling_param_max_tokens": 16, "sampling_param_ignore_eos": True,
+            "sampling_param_bad": ["init"], "sampling_param_bad_token_ids": [ord("(")]}  # fmt: skip
+    got = http_generate(server, body).json()["text_output"]
+    with LLM("tiny", max_batch_size=1, compile=False) as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True, bad=["init"],
+                                                   bad_token_ids=[ord("(")])).outputs[0].text  # fmt: skip
+    assert got == want and "init" not in got and "(" not in got
+
+
 def test_concurrent_clients(server):
     prompts = [f"x{i} = " for i in range(12)]
     expected = {p: http_generate(server, {"text_input": p, "sampling_param_max_tokens": 12,

@@ -55,8 +55,11 @@ SAMPLING_INPUTS = {
     "sampling_param_logit_bias": "logit_bias",  # a JSON object from token ids to biases
     "sampling_param_logprobs": "logprobs",  # k: each token's log-probability and the k most likely tokens'
     "sampling_param_n": "n",  # sequences sampled from the prompt (one prefill)
+    "sampling_param_prompt_logprobs": "prompt_logprobs",  # k: score the prompt (max_tokens may be 0)
+    "sampling_param_bad": "bad",  # words never generated (TensorRT-LLM's SamplingParams.bad)
+    "sampling_param_bad_token_ids": "bad_token_ids",
 }
-LIST_FIELDS = {"stop", "stop_token_ids"}
+LIST_FIELDS = {"stop", "stop_token_ids", "bad", "bad_token_ids"}
 FLAG_INPUTS = ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
                "return_cumulative_logprob")  # fmt: skip
 UNSUPPORTED_INPUTS = ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source")
@@ -329,7 +332,27 @@ class WireCodec:
                 tensors.append(pb.Tensor(name, np.array([values[name]], dtype=dtype)))
         if getattr(comps[0], "logprobs", None) is not None:
             tensors += self._logprob_tensors(comps, parsed)
+        prompt_rows = getattr(comps[0], "prompt_logprobs", None)
+        if output.finished and prompt_rows is not None:
+            tensors += self._prompt_tensors(output.prompt_token_ids, prompt_rows, parsed)
         return pb.InferenceResponse(output_tensors=tensors)
+
+    def _prompt_tensors(self, prompt_ids: Any, rows: list[Any], parsed: ParsedRequest) -> list[Any]:
+        """With sampling_param_prompt_logprobs = k, in the final response: the prompt's tokens,
+        prompt_token_ids [L], the log-probability of each after the first, prompt_log_probs [L - 1], and
+        the k most likely tokens at each of those positions with theirs, prompt_top_token_ids /
+        prompt_top_log_probs [(L - 1) * k] (ours)."""
+        pb, k = self._pb, parsed.sampling.prompt_logprobs
+        ids = list(prompt_ids)
+        own = [row[t].logprob for t, row in zip(ids[1:], rows[1:])]
+        top = [(t, lp.logprob) for row in rows[1:]
+               for t, lp in sorted(row.items(), key=lambda e: e[1].rank or 0) if (lp.rank or 0) <= k][: k * len(own)]  # fmt: skip
+        return [
+            pb.Tensor("prompt_token_ids", np.array(ids, dtype=np.int32)),
+            pb.Tensor("prompt_log_probs", np.array(own, dtype=np.float32)),
+            pb.Tensor("prompt_top_token_ids", np.array([t for t, _ in top], dtype=np.int32)),
+            pb.Tensor("prompt_top_log_probs", np.array([lp for _, lp in top], dtype=np.float32)),
+        ]
 
     def _logprob_tensors(self, comps: list[Any], parsed: ParsedRequest) -> list[Any]:
         """cumulative_logprob (NVIDIA's, one per sequence) when asked; with sampling_param_logprobs = k,
