@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What penalties (or log-probabilities) cost a DFlash round: the same batch of greedy requests with and
 without presence/frequency/repetition penalties and a logit bias (--feature penalties), or with and
-without logprobs=5 (--feature logprobs), in one engine, interleaved, as round-time ratios taken in one
+without logprobs=5 (--feature logprobs), or with and without 32 bad words of one to four tokens
+(--feature bad_words), in one engine, interleaved, as round-time ratios taken in one
 run (issue #44's goals: a penalized round, and a round with logprobs=5, at most 1.10x a plain one).
 
   engine   `LLM(TARGET)` with its packaged drafter drafting the full block (pinned: both kinds run the same
@@ -36,6 +37,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1}
+# words of one to four tokens in either pair's tokenizer (byte-level for tiny), and two token ids
+BAD_WORDS = ["import os", "return None", "self.", " the", "else:", "True", "lambda", "yield", "Hello", "assert",
+             "def ", "class", "print(", "if __name__", "raise", "except", "width", "height", "while", "pass",
+             "sorted(", "key=", "None", "with open(", "range(", "len(", "dict(", "list(", "str(", "int(", "x = ",
+             "and"]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--eager", dest="compile", action="store_false", default=None)
     mode.add_argument("--compile", dest="compile", action="store_true")
-    p.add_argument("--feature", choices=("penalties", "logprobs"), default="penalties")
+    p.add_argument("--feature", choices=("penalties", "logprobs", "bad_words"), default="penalties")
     p.add_argument("--out", type=Path, help="also write the result as JSON to this file")
     return p.parse_args(argv)
 
@@ -69,6 +75,9 @@ def measure(llm: Any, prompts: list[str], args: argparse.Namespace) -> dict[str,
         penalized = SamplingParams(
             **base, **PENALTIES, logit_bias={7: -2.0, 11: 1.5}
         )  # ids every vocabulary has
+        steps = ("_penalize_block", "_count_committed")
+    elif args.feature == "bad_words":
+        penalized = SamplingParams(**base, bad=BAD_WORDS[:30], bad_token_ids=[7, 11])
         steps = ("_penalize_block", "_count_committed")
     else:
         penalized = SamplingParams(**base, logprobs=5)
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(compiled classes: {point['compiled']})", flush=True)  # fmt: skip
     config = {"target": args.target, "feature": args.feature, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "penalties": PENALTIES if args.feature == "penalties" else None, "logprobs": 5 if args.feature == "logprobs" else None,
+              "bad_words": [*BAD_WORDS[:30], 7, 11] if args.feature == "bad_words" else None,
               "compile": "default" if args.compile is None else args.compile, "machine": machine_record(),
               "date": datetime.date.today().isoformat()}  # fmt: skip
     print(json.dumps(config))

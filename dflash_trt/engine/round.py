@@ -397,9 +397,10 @@ class Penalties:
         r, f, p = (t.float()[:, None] for t in (x.repetition, x.frequency, x.presence))
         bs, bq, _ = logits.shape
         tok = drafts[:, None, :].expand(bs, bq, drafts.shape[1])  # [bs, j, i]: draft i's token at position j
-        raw = logits.float().gather(2, tok)  # before anything below changes the logits
+        scores = logits.float()  # one conversion (none in fp32): the passes below share it
+        raw = scores.gather(2, tok)  # before anything below changes the logits
         if logits.device.type == "cpu" and not torch.compiler.is_compiling():
-            scores = _penalize_touched(logits.float(), counts, seen, bias, r, f, p)
+            scores = _penalize_touched(scores, counts, seen, bias, r, f, p)
         else:  # no data-dependent shapes (CUDA graphs, compiled code): passes over the whole block
             scores = penalize(
                 logits, counts[:, None], seen[:, None], bias[:, None], *(t[:, :, None] for t in (r, f, p))

@@ -80,13 +80,13 @@ def ban_bad_words(scores: torch.Tensor, windows: torch.Tensor, prefixes: torch.T
                   lasts: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Step 4. scores [bs, n, V]; windows [bs, n, W]: the W tokens before each position (-2 where the
     sequence has none); prefixes [bs, NB, W]: each word but its last token, right-aligned (-1: any
-    token); lasts [bs, NB]: each word's last token (-1: no word) -> scores with the banned tokens -inf.
-    (-2 and -1 are NO_TOKEN and ANY_TOKEN.)"""
+    token); lasts [bs, NB]: each word's last token (-1: no word) -> scores with the banned tokens -inf,
+    in place. (-2 and -1 are NO_TOKEN and ANY_TOKEN.) Only the words' last tokens are touched: a minimum
+    with -inf where a word completes, with +inf elsewhere (exact however many words share a token)."""
     same = (windows[:, :, None, :] == prefixes[:, None]) | (prefixes[:, None] == ANY_TOKEN)
     match = same.all(dim=-1) & (lasts[:, None, :] >= 0)  # [bs, n, NB]
-    hits = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
-    hits.scatter_add_(2, lasts.clamp(min=0)[:, None, :].expand_as(match), match.float())
-    return scores.masked_fill(hits > 0, -math.inf)
+    fill = torch.where(match, -math.inf, math.inf).to(scores.dtype)
+    return scores.scatter_reduce_(2, lasts.clamp(min=0)[:, None, :].expand_as(match), fill, reduce="amin")
 
 
 def _number(value: Any) -> bool:
