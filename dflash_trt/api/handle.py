@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
 from dflash_trt.api.outputs import CompletionOutput, Logprob, RequestOutput, best_of, merged
 from dflash_trt.api.params import SamplingParams
@@ -45,6 +46,7 @@ class GenerationHandle:
         self.prompt_token_ids = prompt_ids
         self.streaming = streaming
         self.request_id: int = -1
+        self.leader: Any = None  # the engine request that holds the prompt (llm.py; its cached tokens)
         self.request_ids: list[int] = []  # the engine sequences (n > 1: several)
         count = sampling_params.num_sequences
         # per sequence: its converted log-probabilities so far (llm.py), and its latest output
@@ -93,8 +95,9 @@ class GenerationHandle:
         output (the others without news: empty diffs) and whether all have finished; then, with
         best_of > n, the n best (`outputs.best_of`)."""
         self._sequences[comp.index] = comp
-        outputs = [
-            CompletionOutput(index=i, text="", token_ids=[]) if c is None
+        empty: list[dict[int, Logprob]] | None = [] if self.sampling_params.logprobs is not None else None
+        outputs = [  # a sequence with no output yet: empty (with logprobs asked for, an empty list of them)
+            CompletionOutput(index=i, text="", token_ids=[], logprobs=empty) if c is None
             else c if c is comp else replace(c, text_diff="", token_ids_diff=[])
             for i, c in enumerate(self._sequences)
         ]  # fmt: skip

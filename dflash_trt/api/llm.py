@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_trt.api.handle import GenerationHandle
 from dflash_trt.api.outputs import (
     CompletionOutput,
+    KvCacheMetrics,
     Logprob,
     RequestOutput,
     RequestPerfMetrics,
@@ -262,6 +263,7 @@ class LLM:
                 raise
             handle.request_id = req.request_id
             handle.request_ids = [r.request_id for r in req.group]
+            handle.leader = req
         return handle
 
     def _new_handle(self, **fields: Any) -> GenerationHandle:
@@ -470,6 +472,7 @@ class LLM:
             prompt_token_ids=handle.prompt_token_ids,
             outputs=outputs,
             finished=finished,
+            num_cached_tokens=handle.leader.cached_tokens if handle.leader is not None else 0,
         )
 
     def _completion(self, handle: GenerationHandle, at: StepUpdate) -> CompletionOutput:
@@ -501,6 +504,7 @@ class LLM:
                     total_overturned_draft_tokens=at.num_overturned_draft_tokens,
                     tree_budgets=list(req.tree_budgets[:n_rounds]) if self.engine.planner.trees else None,
                 ),
+                kv_cache_metrics=_kv_cache_metrics(req, handle.leader),
             )
         comp = CompletionOutput(
             index=req.index,
@@ -645,6 +649,20 @@ def _logprob_rows(rows: list[dict[int, Logprob]], req: Any, n: int, k: int) -> l
     return list(rows)
 
 
+def _kv_cache_metrics(req: Any, leader: Any) -> KvCacheMetrics:
+    """TensorRT-LLM's KV-cache figures of a sequence: the prompt's full pages reused from the prefix
+    cache or missed (its group's leader looked them up), the pages it holds and those it allocated."""
+    from dflash_trt.engine.config import PAGE_SIZE
+
+    source = leader if leader is not None else req
+    reused = source.cached_tokens // PAGE_SIZE
+    missed = max(0, (len(req.prompt_ids) - 1) // PAGE_SIZE - reused)
+    held = req.reserved_pages
+    return KvCacheMetrics(num_total_allocated_blocks=held, num_new_allocated_blocks=held - (reused if source is req else 0),
+                          num_reused_blocks=reused, num_missed_blocks=missed,
+                          kv_cache_hit_rate=reused / (reused + missed) if reused + missed else 0.0)  # fmt: skip
+
+
 def _prompt_rows(handle: GenerationHandle, req: Any, k: int) -> list[dict[int, Logprob] | None]:
     """The prompt's [{token: Logprob}] rows (None first), converted once per request (every output of
     it carries the same list)."""
@@ -749,9 +767,13 @@ def _engine_config(
         raise ConfigError(
             "kv_cache_config.dtype", kv.dtype, "the embedded engine keeps the KV cache in the model dtype"
         )
+    if kv.enable_block_reuse not in (None, True, False):
+        raise ConfigError("kv_cache_config.enable_block_reuse", kv.enable_block_reuse, "must be true or false",
+                          hint="omit it (on, TensorRT-LLM's default) or send false")  # fmt: skip
     cg = CudaGraphConfig(**cuda_graph_config) if isinstance(cuda_graph_config, dict) else cuda_graph_config
     return EngineConfig(
         kv_max_tokens=kv.max_tokens,
+        prefix_caching=kv.enable_block_reuse is not False,
         kv_free_memory_fraction=kv.free_gpu_memory_fraction or 0.9,
         cuda_graphs=not enforce_eager and (cuda_graph_config is None or cg is not None),
         graph_batch_sizes=cg.graph_batch_sizes(fields["max_batch_size"]) if cg is not None else None,

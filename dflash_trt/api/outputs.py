@@ -43,9 +43,22 @@ class TimingMetrics:
 
 
 @dataclass
+class KvCacheMetrics:
+    """TensorRT-LLM's per-request KV-cache figures, in pages (blocks): the prompt's full pages found in
+    the prefix cache (reused) or not (missed), the pages the request allocated and holds in all."""
+
+    num_total_allocated_blocks: int = 0
+    num_new_allocated_blocks: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
+    kv_cache_hit_rate: float = 0.0
+
+
+@dataclass
 class RequestPerfMetrics:
     timing_metrics: TimingMetrics
     speculative_decoding: SpeculativeDecodingMetrics
+    kv_cache_metrics: KvCacheMetrics | None = None
 
 
 @dataclass
@@ -81,6 +94,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)
 
 
 def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:

@@ -103,7 +103,7 @@ class KvCacheConfig:
 
     max_tokens: int | None = None
     free_gpu_memory_fraction: float | None = None
-    enable_block_reuse: bool | None = None  # accepted; prefix reuse is not implemented (ignored)
+    enable_block_reuse: bool | None = None  # prefix caching (engine/prefix_cache.py): on unless false
     dtype: str = "auto"
 
 

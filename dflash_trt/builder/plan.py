@@ -59,11 +59,14 @@ class BuildRequest:
     device: str | None = None  # torch backend: where the embedded engine runs (auto/cpu/cuda)
     no_remote_code: bool = False  # refuse a plan that needs trust_remote_code (builder/remote_code.py)
     tree_budget: int | str | None = None  # torch backend: DDTree nodes per round (0 = linear), or "auto"
+    prefix_caching: bool = True  # kv_cache_config.enable_block_reuse
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if out["tree_budget"] is None:  # an extension recorded only when asked for (older manifests lack it)
             del out["tree_budget"]
+        if out["prefix_caching"]:  # recorded only when turned off (the default since older manifests)
+            del out["prefix_caching"]
         return out
 
 

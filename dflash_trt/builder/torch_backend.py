@@ -123,6 +123,7 @@ def _llm_api(
         "max_batch_size": limits["max_batch_size"],
         "max_num_tokens": limits["max_num_tokens"],
         "max_seq_len": limits["max_seq_len"],
+        "kv_cache_config": {"enable_block_reuse": req.prefix_caching},
     }
     tree = parse_tree_budget(req.tree_budget, field_name="--tree-budget")
     if tree != 0:

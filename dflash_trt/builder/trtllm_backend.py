@@ -327,7 +327,11 @@ def _llm_api_config(
         "max_batch_size": limits["max_batch_size"],
         "max_num_tokens": limits["max_num_tokens"],
         "max_seq_len": limits["max_seq_len"],
-        "kv_cache_config": {"dtype": kv_dtype, "free_gpu_memory_fraction": 0.85, "enable_block_reuse": False},
+        "kv_cache_config": {
+            "dtype": kv_dtype,
+            "free_gpu_memory_fraction": 0.85,
+            "enable_block_reuse": req.prefix_caching,
+        },
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": limits["max_batch_size"]},
         "enable_attention_dp": False,
         "speculative_config": spec,
@@ -389,8 +393,9 @@ def _notes(req: BuildRequest, source: str) -> list[str]:
         "references) and an LLM-API config; no TensorRT engine or TensorRT plugin is built (trtllm-build and "
         "the TensorRT engine backend were removed upstream, and never ran gpt-oss).",
         f"needs TensorRT-LLM >= {TRTLLM_MIN_VERSION}",
-        "kv_cache_config.enable_block_reuse is off: whether prefix reuse keeps the DFlash draft context "
-        "consistent in TensorRT-LLM is unverified.",
+        "kv_cache_config.enable_block_reuse is on (TensorRT-LLM's default; --no-prefix-caching turns it off): "
+        "dflash-trt's embedded engine keeps the drafter's context with the cached pages and is tested to keep "
+        "DFlash's acceptance; that TensorRT-LLM's DFlash worker does the same is unverified.",
     ]
     if source == "mxfp4-cast":
         notes.append(

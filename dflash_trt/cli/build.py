@@ -79,6 +79,12 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     "(0 = linear DFlash, the default; auto = chosen by the engine from round cost). TensorRT-LLM has no "
     "tree verification.",
 )
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    help="Reuse the KV pages (and the drafter's context) of prompts seen before: kv_cache_config."
+    "enable_block_reuse in the bundle's LLM-API config (on, TensorRT-LLM's default).",
+)
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None)
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None)

@@ -56,7 +56,7 @@ def build_engine(*, target_dir: str | Path, drafter_dir: str | Path | None, spec
     num_pages = _plan_pages(config, target, drafter, planner.scratch_tokens, device=device, dtype=dtype)
     scheduler = Scheduler(max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
                           num_pages=num_pages, page_size=PAGE_SIZE, round_tokens=planner.round_tokens,
-                          scratch_tokens=planner.scratch_tokens)  # fmt: skip
+                          scratch_tokens=planner.scratch_tokens, prefix_caching=config.prefix_caching)  # fmt: skip
     parts = RoundParts(
         target, drafter, make_draft_backend(drafter, device, config.use_plugins),
         max_batch_size=config.max_batch_size, num_pages=num_pages, page_size=PAGE_SIZE,

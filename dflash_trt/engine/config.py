@@ -24,6 +24,7 @@ class EngineConfig:
     use_plugins: bool | None = None  # dflash:: Triton ops for the drafter/accept; None = on for CUDA
     compile: bool = False  # torch.compile (inductor) the round: fused kernels, far less dispatch
     compile_dir: str | None = None  # where compiled rounds are saved and reused (engine/compile.py)
+    prefix_caching: bool = True  # reuse cached prompt pages (engine/prefix_cache.py; enable_block_reuse)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):

@@ -133,6 +133,7 @@ class LLMEngine:
         now = time.perf_counter()
         updates: list[StepUpdate] = []
         for req, tok, lp in [*started, *firsts.forked]:
+            self.scheduler.prompt_done(req)
             if req.max_len == len(req.prompt_ids):  # max_tokens = 0: the prompt was only to be scored
                 updates.extend(self._update(r, [], "") for r in self._finish(req, "length"))
                 continue
@@ -240,7 +241,7 @@ class LLMEngine:
             "active": sched.num_active,
             "peak_active": sched.peak_active,
             "steps": self.num_steps,
-            "kv_free_tokens": sched.allocator.num_free * PAGE_SIZE,
+            "kv_free_tokens": sched.pages_available * PAGE_SIZE,
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "rounds": t.rounds,
             "round_s": t.round_s,
@@ -249,4 +250,5 @@ class LLMEngine:
             "accept_s": t.accept_s,
             "prefill_s": t.prefill_s,
             **self.planner.summary(),
+            **(sched.cache.stats() if sched.cache is not None else {}),
         }

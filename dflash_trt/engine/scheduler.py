@@ -7,6 +7,8 @@
      reserved up front, so a running request never runs out and a tree never writes past its own
      pages; a request that could never fit was refused by `LLMEngine.add_request`); a request of n
      sequences is admitted whole, its siblings holding their rows and pages while the leader prefills;
+     with prefix caching (engine/prefix_cache.py) a request starts with the cached pages of its prompt's
+     longest cached prefix and prefills from there, and its prompt's full pages are cached once written;
   2. picks prompt chunks for the requests still prefilling, so that prefill and decode tokens stay
      within max_num_tokens (a prefill always gets at least one page of tokens, so it progresses);
   3. puts every running request in the step's round.
@@ -19,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from dflash_trt.engine.prefix_cache import PrefixCache
 from dflash_trt.engine.request import Request, Status
 from dflash_trt.layers.kv_cache import PageAllocator, pages_for
 
@@ -40,6 +43,7 @@ class Scheduler:
         page_size: int,
         round_tokens: int,
         scratch_tokens: int = 0,
+        prefix_caching: bool = True,
     ) -> None:
         """round_tokens: the most tokens a running request verifies per round (its block, or a tree's
         nodes and root: `RoundPlanner.round_tokens`); scratch_tokens: the cache columns a tree round
@@ -50,6 +54,7 @@ class Scheduler:
         self.round_tokens = round_tokens
         self.scratch_tokens = scratch_tokens
         self.allocator = PageAllocator(num_pages)
+        self.cache = PrefixCache(self.allocator, page_size) if prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -59,6 +64,11 @@ class Scheduler:
     # --- queries ----------------------------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
         return pages_for(prompt_len + max_tokens + self.scratch_tokens, self.page_size)
+
+    @property
+    def pages_available(self) -> int:
+        """Pages an admission may take: free, or cached and idle (evicted on demand)."""
+        return self.cache.num_available if self.cache is not None else self.allocator.num_free
 
     @property
     def num_active(self) -> int:
@@ -105,24 +115,52 @@ class Scheduler:
                 break
         req.status = Status.FINISHED
         if req.pages:
-            self.allocator.free(req.pages)
+            if self.cache is not None:
+                self.cache.release(req.pages)
+            else:
+                self.allocator.free(req.pages)
             req.pages = []
         if req.row >= 0:
             self.free_rows.append(req.row)
             req.row = -1
+
+    def prompt_done(self, req: Request) -> None:
+        """The request's prompt is in its pages: cache their full pages for later requests."""
+        if self.cache is not None:
+            self.cache.register(req.prompt_ids, req.pages)
 
     def _admit(self) -> None:
         while self.waiting:
             req = self.waiting[0]
             group = req.group
             need = self.pages_needed(len(req.prompt_ids), req.max_len - len(req.prompt_ids))
-            if len(group) > len(self.free_rows) or need * len(group) > self.allocator.num_free:
+            hit = self._cached_prefix(req)
+            if len(group) > len(self.free_rows) or need * len(group) - len(hit) > self.pages_available:
+                if hit:
+                    self.cache.release(hit)  # type: ignore[union-attr]
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
+            if self.cache is not None:
+                self.cache.count(len(req.prompt_ids), len(hit))
             now = time.perf_counter()
             for member in group:
-                member.pages = self.allocator.allocate(need)
+                fresh = need - len(hit) if member is req else need
+                member.pages = (hit if member is req else []) + self._allocate(fresh)
+                member.reserved_pages = len(member.pages)
                 member.row = self.free_rows.pop()
                 member.status = Status.PREFILL
                 member.first_scheduled_time = now
+            req.prefilled = req.cached_tokens = len(hit) * self.page_size
             self.prefilling.append(req)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached pages the request starts with, claimed (none without caching, or when the request
+        scores its prompt: that needs every prompt position's logits)."""
+        if self.cache is None or req.prompt_logprobs is not None:
+            return []
+        hit = self.cache.match(req.prompt_ids)
+        self.cache.claim(hit)
+        return hit
+
+    def _allocate(self, n: int) -> list[int]:
+        return self.cache.allocate(n) if self.cache is not None else self.allocator.allocate(n)

@@ -203,6 +203,8 @@ def _fold(out: P.Outcome, piece: Piece, *, delta: bool) -> None:
     only for a full response (a stream sends them straight out)."""
     if piece.prompt_tokens is not None:
         out.prompt_tokens = int(piece.prompt_tokens)
+    if piece.cached_tokens is not None:
+        out.cached_tokens = int(piece.cached_tokens)
     if piece.final:
         out.stats = piece.stats
     if piece.prompt_logprobs is not None:

@@ -526,6 +526,7 @@ class Outcome:
 
     choices: list[Choice] = field(default_factory=lambda: [Choice()])
     prompt_tokens: int | None = None
+    cached_tokens: int = 0  # of the prompt tokens, found in the prefix cache
     stats: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] = field(default_factory=list)  # with echo and logprobs: the prompt scored
     prompt_logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None
@@ -536,11 +537,13 @@ class Outcome:
         return self.choices[index]
 
 
-def usage(o: Outcome) -> dict[str, int]:
-    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
+def usage(o: Outcome) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once (with the tokens the prefix cache held, as OpenAI and vLLM report
+    them), the completion tokens of every choice."""
     p = o.prompt_tokens or 0
     c = sum(ch.completion_tokens for ch in o.choices)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}  # fmt: skip
 
 
 def dflash_stats(o: Outcome) -> dict[str, Any]:
@@ -588,7 +591,7 @@ def full_response(
 
 def chunk(
     gen: Generation, rid: str, created: int, *, text: str | None, finish: str | None = None,
-    role: bool = False, usage_obj: dict[str, int] | None = None, stats: dict[str, Any] | None = None,
+    role: bool = False, usage_obj: dict[str, Any] | None = None, stats: dict[str, Any] | None = None,
     no_choice: bool = False, index: int = 0, logprobs: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One streamed chunk of choice `index`. `no_choice`: the final usage-only chunk (choices = [])."""

@@ -56,6 +56,7 @@ class Piece:
     seqs: list[Seq]
     prompt_tokens: int | None
     final: bool
+    cached_tokens: int | None = None  # of the prompt's, found in the prefix cache
     stats: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] = field(default_factory=list)  # with prompt log-probabilities (final only)
     prompt_logprobs: list[LogprobRow] | None = None  # per prompt token after the first
@@ -329,7 +330,8 @@ def _piece(response: Any) -> Piece:
             finish_reason=reasons[i] if final and i < len(reasons) else None, logprobs=logprobs[i])
         for i, t in enumerate(texts)
     ]  # fmt: skip
-    piece = Piece(seqs=seqs, prompt_tokens=(values.get("num_input_tokens") or [None])[0], final=final)
+    piece = Piece(seqs=seqs, prompt_tokens=(values.get("num_input_tokens") or [None])[0], final=final,
+                  cached_tokens=(values.get("num_cached_tokens") or [None])[0])  # fmt: skip
     if final:
         piece.stats = {k: (values.get(k) or [None])[0] for k in STATS_OUTPUTS}
     if "prompt_log_probs" in values:

@@ -94,6 +94,7 @@ OUTPUTS: tuple[Port, ...] = (
     Port("total_draft_tokens", "TYPE_INT32", (1,)),
     Port("num_output_tokens", "TYPE_INT32", (-1,), ours=True),  # one per sequence
     Port("num_input_tokens", "TYPE_INT32", (1,), ours=True),
+    Port("num_cached_tokens", "TYPE_INT32", (1,), ours=True),  # of them, found in the prefix cache
     Port("mean_acceptance_length", "TYPE_FP32", (1,), ours=True),
     Port("num_rounds", "TYPE_INT32", (1,), ours=True),
     Port("total_overturned_draft_tokens", "TYPE_INT32", (1,), ours=True),

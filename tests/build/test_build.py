@@ -65,6 +65,18 @@ def test_golden_plans(name, cli, update_goldens):
     assert plan["validation"]["llm_api"]["commit"] == "0004396720054fd8e205cbf616f21f0b57c6b412"
 
 
+@pytest.mark.parametrize("flag", [[], ["--no-prefix-caching"]])
+def test_prefix_caching_is_written_into_both_backends_configs(cli, flag):
+    """kv_cache_config.enable_block_reuse: on by default (TensorRT-LLM's), off with --no-prefix-caching;
+    the manifest records only the change."""
+    on = not flag
+    trt = json.loads(cli(["build", *PLANS["qwen3-8b-h100-fp8"], *flag, "--dry-run", "--json"])[1])
+    cpu = json.loads(cli(["build", "--target", "tiny", *flag, "--dry-run", "--json"])[1])
+    for plan in (trt, cpu):
+        assert plan["llm_api"]["kv_cache_config"]["enable_block_reuse"] is on
+        assert ("prefix_caching" in plan["inputs"]) is not on
+
+
 def test_gpt_oss_120b_profiles(cli):
     b200 = json.loads(cli(["build", *PLANS["gpt-oss-120b-b200-tp8"], "--dry-run", "--json"])[1])
     h200 = json.loads(cli(["build", *PLANS["gpt-oss-120b-h200-tp8"], "--dry-run", "--json"])[1])

@@ -90,26 +90,24 @@ def test_the_prompt_is_prefilled_once_and_no_page_leaks(tiny):
     chunks: list[tuple[int, int]] = []
     prefill = engine.runner.prefill
     engine.runner.prefill = lambda reqs, ch: (chunks.extend(ch), prefill(reqs, ch))[1]  # type: ignore[method-assign]
-    free = engine.scheduler.allocator.num_free
+    free = engine.scheduler.pages_available
     (group,) = run(engine, [(prompts[0], RequestParams(max_tokens=16, temperature=0.9, n=4))])
     assert sum(hi - lo for lo, hi in chunks) == len(prompts[0])
     assert [len(r.output_ids) for r in group] == [16] * 4
-    assert engine.scheduler.allocator.num_free == free and sorted(engine.scheduler.free_rows) == list(
-        range(8)
-    )
+    assert engine.scheduler.pages_available == free and sorted(engine.scheduler.free_rows) == list(range(8))
 
 
 def test_aborting_the_leader_before_its_prefill_ends_every_sequence(tiny):
     paths, prompts = tiny
     engine = engine_for(paths)
-    free = engine.scheduler.allocator.num_free
+    free = engine.scheduler.pages_available
     leader = engine.add_request(prompts[0], RequestParams(max_tokens=16, temperature=0.9, n=3))
     group = leader.group
     engine.abort(leader.request_id)
     updates = engine.step()
     assert {u.req.request_id for u in updates if u.finished} == {r.request_id for r in group}
     assert all(r.finish_reason == "cancelled" for r in group) and not engine.has_work()
-    assert engine.scheduler.allocator.num_free == free
+    assert engine.scheduler.pages_available == free
 
 
 def test_a_group_waits_until_all_its_pages_are_free_and_too_big_is_refused(tiny):
@@ -150,8 +148,15 @@ def test_llm_api_outputs_streaming_and_best_of(tiny):
             assert (
                 c.token_ids == alone.token_ids and abs(c.cumulative_logprob - alone.cumulative_logprob) < 1e-4
             )
-        streamed = list(llm.generate_async(prompts[0], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=12),
-                                           streaming=True))  # fmt: skip
+        streamed = list(llm.generate_async(prompts[0], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=12,
+                                                                      logprobs=0), streaming=True))  # fmt: skip
+        # every output carries both sequences, a sequence without output yet with no log-probabilities
+        assert all(
+            c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+            for o in streamed
+            for c in o.outputs
+        )
+        assert any(not o.outputs[1].token_ids for o in streamed)  # the first output came before sequence 1's
         assert all(len(o.outputs) == 2 for o in streamed) and streamed[-1].finished
         for i in range(2):
             assert [t for o in streamed for t in o.outputs[i].token_ids_diff] == out.outputs[i].token_ids

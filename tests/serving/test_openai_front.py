@@ -387,6 +387,25 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client) -> None:
     assert streamed == PROMPT + plain
 
 
+def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(served, client) -> None:
+    """The second chat with the same long system prompt: usage.prompt_tokens_details.cached_tokens counts
+    the pages it reused (OpenAI's and vLLM's field), the counters move, and the answer is the same."""
+    system = "You are a careful assistant who answers in Python. " * 12
+    before = served.metric("dflash_prefix_cache_hits_total")
+    kw = dict(model="tiny", max_tokens=8, temperature=0)
+    first = client.chat.completions.create(messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": "Add two numbers."}], **kw)  # fmt: skip
+    again = client.chat.completions.create(messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": "Add two numbers."}], **kw)  # fmt: skip
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(system) - 16 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    eventually(lambda: served.metric("dflash_prefix_cache_hits_total") >= before + cached, "the hit counter")
+    assert served.metric("dflash_prefix_cache_queries_total") >= served.metric(
+        "dflash_prefix_cache_hits_total"
+    )
+
+
 def test_the_engine_decides_what_values_mean(client) -> None:
     """The front checks the protocol only; values the engine accepts are served as it serves them."""
     r = client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=2.5, seed=1,

@@ -136,7 +136,12 @@ def test_response_and_chunk_shapes() -> None:
                          "total_overturned_draft_tokens": 4})  # fmt: skip
     full = P.full_response(g, "chatcmpl-1", 0, o)
     assert full["object"] == "chat.completion" and full["choices"][0]["message"]["content"] == "hi"
-    assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert full["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert full["dflash"] == {"mean_acceptance_length": 2.0, "num_rounds": 1, "accepted_draft_tokens": 1,
                               "draft_tokens": 15, "acceptance_rate": 0.066667, "overturned_draft_tokens": 4}  # fmt: skip
     first = P.chunk(g, "chatcmpl-1", 0, text="h", role=True)
@@ -162,7 +167,12 @@ def test_n_choices_in_the_response_the_chunks_and_the_triton_inputs() -> None:
     assert (
         full["choices"][0]["logprobs"]["token_logprobs"] == [-0.5] and full["choices"][1]["logprobs"] is None
     )
-    assert full["usage"] == {"prompt_tokens": 2, "completion_tokens": 7, "total_tokens": 9}
+    assert full["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 7,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert P.chunk(g, "cmpl-1", 0, text="z", index=1)["choices"][0]["index"] == 1
     sent = {t.name(): t for t in Upstream._inputs(Upstream.__new__(Upstream), g)}
     assert (

@@ -36,6 +36,11 @@ METRICS = (
      "Requests waiting for a batch slot or KV pages (embedded engine only)", None),
     ("m_kv", "dflash_kv_cache_utilization", "GAUGE",
      "Fraction of KV-cache pages reserved by requests (embedded engine only)", None),
+    ("m_prefix_queries", "dflash_prefix_cache_queries_total", "COUNTER",
+     "Prompt tokens looked up in the prefix cache (embedded engine only)", None),
+    ("m_prefix_hits", "dflash_prefix_cache_hits_total", "COUNTER",
+     "Of them, found cached: not prefilled again (embedded engine only); the hit rate is this over "
+     "dflash_prefix_cache_queries_total", None),
     ("m_round", "dflash_round_duration_seconds", "HISTOGRAM",
      "Wall time of one engine step's DFlash round for the whole batch (embedded engine only)",
      [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]),
@@ -132,6 +137,8 @@ class ModelMetrics:
     m_active: Any
     m_queued: Any
     m_kv: Any
+    m_prefix_queries: Any
+    m_prefix_hits: Any
     m_round: Any
     m_ttft: Any
     m_itl: Any
@@ -153,6 +160,7 @@ class ModelMetrics:
         self.m_drafter.set(1.0 if block_size > 1 else 0.0)
         self._engine_counts_active = engine_counts_active
         self._batch = MetricBatch(pb.Logger.log_warn)
+        self._prefix_seen = (0, 0)  # the engine's prefix-cache counters already published
 
     def set_in_flight(self, count: int) -> None:
         """The number of requests in flight here (dflash_requests_active unless the engine counts)."""
@@ -218,6 +226,11 @@ class ModelMetrics:
             self.m_tree_budget.set(float(stats["tree_budget"]))
         if "draft_len" in stats:
             self.m_draft_len.set(float(stats["draft_len"]))
+        if "prefix_cache_queries" in stats:
+            queries, hits = int(stats["prefix_cache_queries"]), int(stats["prefix_cache_hits"])
+            self._batch.increment(self.m_prefix_queries, float(queries - self._prefix_seen[0]))
+            self._batch.increment(self.m_prefix_hits, float(hits - self._prefix_seen[1]))
+            self._prefix_seen = (queries, hits)
 
     def close(self) -> None:
         """Apply what is pending and stop the update thread."""

@@ -75,6 +75,14 @@ PERF_OUTPUTS = (
     ("first_token_time_ns", np.int64),
     ("last_token_time_ns", np.int64),
 )
+# NVIDIA's kv_cache_* outputs and the KV-cache metric each carries (TensorRT-LLM's KvCacheMetrics names)
+KV_OUTPUTS = (
+    ("kv_cache_reused_block", "num_reused_blocks", np.int32),
+    ("kv_cache_missed_block", "num_missed_blocks", np.int32),
+    ("kv_cache_alloc_new_blocks", "num_new_allocated_blocks", np.int32),
+    ("kv_cache_alloc_total_blocks", "num_total_allocated_blocks", np.int32),
+    ("kv_cache_hit_rate", "kv_cache_hit_rate", np.float32),
+)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 BYTES_PER_TOKEN = 32  # default max_prompt_bytes = BYTES_PER_TOKEN * max_seq_len
 
@@ -316,6 +324,9 @@ class WireCodec:
                 "num_output_tokens", np.array([len(c.token_ids) - skip for c in comps], dtype=np.int32)
             ),
             pb.Tensor("num_input_tokens", np.array([n_in], dtype=np.int32)),
+            pb.Tensor(
+                "num_cached_tokens", np.array([getattr(output, "num_cached_tokens", 0) or 0], dtype=np.int32)
+            ),
         ]
         if flags.get("return_finish_reason"):
             tensors.append(
@@ -330,6 +341,7 @@ class WireCodec:
             values = perf_values(perf)
             for name, dtype in PERF_OUTPUTS:
                 tensors.append(pb.Tensor(name, np.array([values[name]], dtype=dtype)))
+            tensors += self._kv_tensors(getattr(perf, "kv_cache_metrics", None))
         if getattr(comps[0], "logprobs", None) is not None:
             tensors += self._logprob_tensors(comps, parsed)
         prompt_rows = getattr(comps[0], "prompt_logprobs", None)
@@ -354,6 +366,15 @@ class WireCodec:
             pb.Tensor("prompt_top_log_probs", np.array([lp for _, lp in top], dtype=np.float32)),
         ]
 
+    def _kv_tensors(self, kv: Any) -> list[Any]:
+        """NVIDIA's kv_cache_* outputs from the request's KV-cache metrics (none without them)."""
+        if kv is None:
+            return []
+        pb = self._pb
+        return [
+            pb.Tensor(name, np.array([getattr(kv, field)], dtype=dtype)) for name, field, dtype in KV_OUTPUTS
+        ]
+
     def _logprob_tensors(self, comps: list[Any], parsed: ParsedRequest) -> list[Any]:
         """cumulative_logprob (NVIDIA's, one per sequence) when asked; with sampling_param_logprobs = k,
         per token of the response (the new ones with streaming_delta), sequence after sequence:
@@ -372,8 +393,9 @@ class WireCodec:
         top: list[tuple[int, float]] = []
         lengths = []
         for comp in comps:
-            n = len(comp.token_ids_diff) if parsed.flags.get("streaming_delta") else len(comp.logprobs)
-            rows = comp.logprobs[len(comp.logprobs) - n :]
+            every = comp.logprobs or []  # a sequence with no output yet has none
+            n = len(comp.token_ids_diff) if parsed.flags.get("streaming_delta") else len(every)
+            rows = every[len(every) - n :]
             ids = list(comp.token_ids)[len(comp.token_ids) - n :]
             toks += ids
             own += [row[t].logprob for t, row in zip(ids, rows)]
