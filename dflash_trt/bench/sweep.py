@@ -77,6 +77,8 @@ class SweepConfig:
     isl: int | None = None
     osl: int | None = None
     range_ratio: float = 1.0
+    system_prompt_tokens: int | None = None  # every request starts with one shared system prompt this long
+    turns: int = 1  # multi-turn chats: each conversation's turn k resends turns 0..k-1
     dataset: str | None = None
     tokenizer: str | None = None
     chat: bool = False
@@ -155,13 +157,23 @@ class SweepConfig:
             )
         if self.chat and self.tokenizer is None and self.dataset is None:
             raise UsageError("--chat needs --tokenizer", hint="pass --tokenizer with a chat template")
+        if self.turns > 1 and self.request_rate:
+            raise UsageError(f"--turns={self.turns}: a conversation's turns go one after another (closed loop)",
+                             hint="use --concurrency (conversations in flight) with --turns")  # fmt: skip
+        if (self.turns > 1 or self.system_prompt_tokens) and self.dataset is None and not self.chat \
+                and self.protocol != "openai-chat":  # fmt: skip
+            raise UsageError(
+                "--turns and --system-prompt-tokens build chats",
+                hint="add --chat (or --protocol openai-chat)",
+            )
 
     def points(self) -> list[PointSpec]:
         out: list[PointSpec] = []
+        t = self.turns
         for c in self.concurrency:
-            n = None if self.duration_s else (self.num_requests or 10 * c)
-            warm = self.warmup if self.warmup is not None else 2 * c
-            out.append(PointSpec(f"concurrency={c}", "concurrency", c, None, n, self.duration_s, warm))
+            n = None if self.duration_s else _whole(self.num_requests or 10 * c, t)
+            warm = _whole(self.warmup if self.warmup is not None else 2 * c, t)
+            out.append(PointSpec(f"concurrency={c}", "concurrency", c, None, n, self.duration_s, warm, t))
         for r in self.request_rate:
             n = None if self.duration_s else (self.num_requests or max(10, math.ceil(10 * r)))
             warm_c = self.max_concurrency or max(1, math.ceil(r))
@@ -200,6 +212,8 @@ class SweepConfig:
             chat=self.chat,
             thinking=self.thinking,
             seed=self.seed,
+            system_prompt_tokens=self.system_prompt_tokens,
+            turns=self.turns,
         )
 
     def sampling(self) -> Sampling:
@@ -223,6 +237,7 @@ class PointSpec:
     num_requests: int | None
     duration_s: float | None
     warmup: int
+    turns: int = 1  # requests per conversation (multi-turn chats): counts are whole conversations
 
     @property
     def warmup_concurrency(self) -> int:
@@ -235,7 +250,12 @@ class PointSpec:
         if self.num_requests is not None:
             return self.num_requests
         per_s = self.request_rate or float(self.concurrency or 1)
-        return max(64, min(4096, math.ceil(10 * per_s)))
+        return _whole(max(64, min(4096, math.ceil(10 * per_s))), self.turns)
+
+
+def _whole(n: int, turns: int) -> int:
+    """n rounded up to whole conversations of `turns` requests."""
+    return -(-n // turns) * turns
 
 
 # ------------------------------------------------------------------------------------- environment
@@ -451,20 +471,24 @@ async def _closed_loop(
     num_requests: int | None,
     duration_s: float | None,
     on_done: Callable[[RawResult], None],
+    turns: int = 1,
 ) -> list[RawResult]:
-    """Keep `concurrency` requests in flight until num_requests were sent or duration_s passed."""
+    """Keep `concurrency` requests in flight until num_requests were sent or duration_s passed. With
+    turns > 1 a worker takes whole conversations: requests c * turns .. c * turns + turns - 1, in order."""
     results: list[RawResult] = []
-    counter = iter(range(num_requests) if num_requests is not None else _count())
+    total = None if num_requests is None else -(-num_requests // turns)
+    counter = iter(range(total) if total is not None else _count())
     deadline = time.perf_counter() + duration_s if duration_s else None
 
     async def worker() -> None:
-        for i in counter:
-            if deadline is not None and time.perf_counter() >= deadline:
-                return
-            raw = RawResult(index=i)
-            results.append(raw)
-            await _send(client, payloads[i % len(payloads)], raw)
-            on_done(raw)
+        for c in counter:
+            for i in range(c * turns, c * turns + turns):
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return
+                raw = RawResult(index=i)
+                results.append(raw)
+                await _send(client, payloads[i % len(payloads)], raw)
+                on_done(raw)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
@@ -688,7 +712,7 @@ class Sweep:
             if warmup:
                 concurrency = min(spec.warmup_concurrency, spec.warmup)
                 raws = await _closed_loop(client, payloads, concurrency=concurrency, num_requests=n,
-                                          duration_s=None, on_done=bar.done)  # fmt: skip
+                                          duration_s=None, on_done=bar.done, turns=self.cfg.turns)  # fmt: skip
             else:
                 raws = await self._load(client, spec, payloads, on_done=bar.done)
         finally:
@@ -708,7 +732,7 @@ class Sweep:
         if spec.mode == "concurrency":
             assert spec.concurrency is not None
             return await _closed_loop(client, payloads, concurrency=spec.concurrency, num_requests=spec.num_requests,
-                                      duration_s=spec.duration_s, on_done=on_done)  # fmt: skip
+                                      duration_s=spec.duration_s, on_done=on_done, turns=self.cfg.turns)  # fmt: skip
         assert spec.request_rate is not None
         return await _open_loop(
             client,

@@ -9,6 +9,12 @@
   `output_tokens` (or `max_tokens`, `osl`).
 - **Chat**: `--chat` wraps each prompt in the tokenizer's chat template (thinking off unless
   `--thinking`); `openai-chat` always sends messages and counts the templated prompt.
+- **Shared system prompt** (`--system-prompt-tokens N`): every chat starts with the same system message
+  of about N tokens (random in-vocabulary tokens, seeded), so a prefix cache can serve it; with `--isl`
+  the whole templated prompt, system included, is still exactly ISL tokens.
+- **Multi-turn** (`--turns T`): requests come in conversations of T; turn k resends turns 0..k-1 (each
+  user message, then a synthetic assistant reply of OSL tokens) and adds its own user message (of ISL
+  tokens with `--isl`, else the next dataset prompt). A conversation's turns are sent one after another.
 
 Token counts: a plain prompt is counted as the server would tokenise it (special tokens such as
 BOS added); a chat-templated prompt is counted without adding special tokens again.
@@ -51,6 +57,8 @@ class WorkloadSpec:
     chat: bool = False
     thinking: bool = False
     seed: int = 0
+    system_prompt_tokens: int | None = None
+    turns: int = 1
 
     def describe(self, tokenizer_name: str | None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -63,6 +71,8 @@ class WorkloadSpec:
             "thinking": self.thinking if self.chat else None,
             "seed": self.seed,
             "tokenizer": tokenizer_name,
+            "system_prompt_tokens": self.system_prompt_tokens,
+            "turns": self.turns,
         }
         if self.dataset:
             d["dataset_sha256"] = file_sha256(Path(self.dataset))
@@ -119,11 +129,17 @@ class PromptSource:
     def __init__(self, spec: WorkloadSpec, tokenizer: Any | None, *, protocol: str) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
-        self.chat = spec.chat or protocol == "openai-chat"
+        self.chat = (
+            spec.chat or protocol == "openai-chat" or spec.turns > 1 or bool(spec.system_prompt_tokens)
+        )
         self.send_messages = protocol == "openai-chat"
         self._cache: dict[tuple[str, int], Prompt] = {}
         self._records: list[dict[str, Any]] | None = None
         self._vocab: list[int] | None = None
+        self._system: list[dict[str, str]] | None = None
+        if (spec.turns > 1 or spec.system_prompt_tokens) and tokenizer is None:
+            raise UsageError("--turns and --system-prompt-tokens need --tokenizer (they build chats)",
+                             hint="pass --tokenizer of the served model")  # fmt: skip
         if spec.dataset is not None:
             self._records = _read_jsonl(Path(spec.dataset))
         elif tokenizer is None:
@@ -140,7 +156,23 @@ class PromptSource:
     def _render(self, content: str) -> str:
         if not self.chat:
             return content
-        return self._render_messages([{"role": "user", "content": content}])
+        return self._render_messages([*self._head(), {"role": "user", "content": content}])
+
+    def _head(self) -> list[dict[str, str]]:
+        """The shared system message every chat starts with ([] without --system-prompt-tokens)."""
+        if self._system is None:
+            n = self.spec.system_prompt_tokens
+            rng = random.Random(f"dflash-trt-bench:{self.spec.seed}:system")
+            self._system = [{"role": "system", "content": self._text(n, rng)}] if n else []
+        return self._system
+
+    def _text(self, n: int, rng: random.Random) -> str:
+        """About n tokens of random in-vocabulary text (exact lengths are `fit`'s)."""
+        assert self.tokenizer is not None
+        if self._vocab is None:
+            self._vocab = _content_ids(self.tokenizer)
+        ids = rng.choices(self._vocab, k=n)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def _render_messages(self, messages: list[dict[str, str]]) -> str:
         assert self.tokenizer is not None
@@ -160,9 +192,35 @@ class PromptSource:
         """Prompt i of a named stream (each stream is its own deterministic sequence)."""
         p = self._cache.get((stream, i))
         if p is None:
-            p = self._records_prompt(i, stream) if self._records is not None else self._synthetic(i, stream)
+            if self.spec.turns > 1:
+                p = self._turn(i, stream)
+            elif self._records is not None:
+                p = self._records_prompt(i, stream)
+            else:
+                p = self._synthetic(i, stream)
             self._cache[(stream, i)] = p
         return p
+
+    def _turn(self, i: int, stream: str) -> Prompt:
+        """Turn i % T of conversation i // T: the turns before it (user, then a synthetic assistant reply
+        of OSL tokens), then its own user message."""
+        turns, c = self.spec.turns, i // self.spec.turns
+        messages = list(self._head())
+        osl = self.spec.osl
+        for j in range(c * turns, i + 1):
+            rng = random.Random(f"dflash-trt-bench:{self.spec.seed}:{stream}:turn:{j}")
+            if self._records is not None:
+                rec = self._records[j % len(self._records)]
+                user = str(rec.get("prompt", rec.get("text", "")))
+                osl = osl or rec.get("output_tokens", rec.get("max_tokens", rec.get("osl")))
+            else:
+                user = self._text(self.spec.isl or 1, rng)
+            messages.append({"role": "user", "content": user})
+            if j < i:
+                messages.append({"role": "assistant", "content": self._text(self.spec.osl or 64, rng)})
+        text = self._render_messages(messages)
+        return Prompt(index=i, text=text, messages=tuple(messages) if self.send_messages else None,
+                      input_tokens=self.count(text), output_tokens=int(osl or 64))  # fmt: skip
 
     def _lengths(self, rng: random.Random) -> tuple[int | None, int | None]:
         def draw(n: int | None) -> int | None:
@@ -178,7 +236,7 @@ class PromptSource:
         assert isl is not None and osl is not None
         content = self.fit(isl, rng)
         text = self._render(content)
-        messages = ({"role": "user", "content": content},) if self.send_messages else None
+        messages = (*self._head(), {"role": "user", "content": content}) if self.send_messages else None
         return Prompt(index=i, text=text, messages=messages, input_tokens=isl, output_tokens=osl)
 
     def fit(self, n: int, rng: random.Random) -> str:
@@ -233,6 +291,8 @@ class PromptSource:
             assert prompt is not None
             if self.chat:
                 messages = [{"role": "user", "content": prompt}]
+        if messages is not None and self.spec.system_prompt_tokens:
+            messages = [*self._head(), *messages]
         if messages is not None:
             if self.tokenizer is None:
                 if not self.send_messages:

@@ -215,6 +215,20 @@ _FIELD = {
     help="Draw ISL/OSL uniformly from [ratio*N, N] (InferenceX: 0.8).",
 )
 @click.option(
+    "--system-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Every chat starts with one shared system prompt of about N tokens (a prefix cache serves it).",
+)
+@click.option(
+    "--turns",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Multi-turn chats: turn k resends turns 0..k-1 (user, and an OSL-token assistant reply); a "
+    "conversation's turns go one after another (closed loop only).",
+)
+@click.option(
     "--dataset",
     type=click.Path(dir_okay=False),
     help="JSONL prompts: {prompt|text|messages, output_tokens?} per line.",

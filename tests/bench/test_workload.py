@@ -164,3 +164,62 @@ def test_tokenizer_errors(byte_tokenizer, tmp_path: Path) -> None:
         PromptSource(WorkloadSpec(isl=10, osl=4), None, protocol="triton-http")
     with pytest.raises(UsageError, match="--tokenizer="):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("protocol", ["triton-http", "openai-chat"])
+def test_a_shared_system_prompt_leads_every_prompt_of_exact_length(bpe_tokenizer, protocol) -> None:
+    """--system-prompt-tokens: the same system message heads every chat; the whole templated prompt is
+    still exactly ISL tokens."""
+    src = PromptSource(WorkloadSpec(isl=400, osl=8, chat=True, seed=3, system_prompt_tokens=200), bpe_tokenizer,
+                       protocol=protocol)  # fmt: skip
+    prompts = [src.get(i, stream="s") for i in range(3)]
+    system = prompts[0].text.split("<|im_start|>user")[0]
+    assert system.startswith("<|im_start|>system\n") and len(bpe_tokenizer(system)["input_ids"]) > 150
+    for p in prompts:
+        assert p.text.startswith(system) and p.input_tokens == 400
+        assert len(bpe_tokenizer(p.text, add_special_tokens=False)["input_ids"]) == 400
+        if protocol == "openai-chat":
+            assert p.messages[0] == {"role": "system", "content": prompts[0].messages[0]["content"]}
+    assert len({p.text for p in prompts}) == 3
+
+
+def test_multi_turn_chats_resend_their_history(bpe_tokenizer) -> None:
+    """--turns 3: turn k of a conversation is turn k-1's messages, a synthetic assistant reply and a new
+    user message; conversations differ from each other."""
+    src = PromptSource(WorkloadSpec(isl=30, osl=12, seed=4, turns=3, system_prompt_tokens=40), bpe_tokenizer,
+                       protocol="openai-chat")  # fmt: skip
+    conv = [src.get(i, stream="s") for i in range(6)]
+    for k in (1, 2):
+        prev, cur = conv[k - 1].messages, conv[k].messages
+        assert cur[: len(prev)] == prev and [m["role"] for m in cur[len(prev) :]] == ["assistant", "user"]
+        assert cur[0]["role"] == "system" and conv[k].input_tokens > conv[k - 1].input_tokens
+        assert conv[k].text.startswith(conv[k - 1].text.removesuffix("<|im_start|>assistant\n"))
+    assert (
+        conv[3].messages[:2] == conv[0].messages[:1] + conv[3].messages[1:2]
+        and conv[3].messages[1] != conv[0].messages[1]
+    )
+    assert [len(p.messages) for p in conv] == [2, 4, 6, 2, 4, 6]
+
+
+def test_the_closed_loop_sends_a_conversations_turns_in_order() -> None:
+    """With turns, a worker takes whole conversations: turn k is sent only after turn k-1 ended, while
+    other conversations run beside it; a partial last conversation is completed."""
+    import asyncio
+
+    from dflash_trt.bench.sweep import _closed_loop
+
+    events: list[tuple[str, int]] = []
+
+    class Client:
+        async def send(self, payload: int, raw) -> None:
+            events.append(("start", payload))
+            await asyncio.sleep(0.001 * (payload % 3))
+            events.append(("end", payload))
+
+    done = asyncio.run(_closed_loop(Client(), list(range(9)), concurrency=2, num_requests=7, duration_s=None,
+                                    on_done=lambda r: None, turns=3))  # fmt: skip
+    assert sorted(r.index for r in done) == list(range(9))  # 7 requests round up to 3 conversations
+    for i in range(9):
+        if i % 3:
+            assert events.index(("end", i - 1)) < events.index(("start", i))
+    assert events.index(("start", 3)) < events.index(("end", 2))  # two conversations at once
