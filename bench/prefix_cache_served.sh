@@ -22,6 +22,7 @@ TURNS=${TURNS:-4}
 TURN_TOKENS=${TURN_TOKENS:-100}
 CONCURRENCY=${CONCURRENCY:-1,4}
 REQUESTS=${REQUESTS:-16}
+WORKLOADS=${WORKLOADS:-system multiturn}
 WORK=$(mktemp -d)
 SERVER=
 trap '[ -n "$SERVER" ] && kill "$SERVER" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"' EXIT
@@ -42,11 +43,15 @@ for mode in on off; do
   done
   common=(--url "http://127.0.0.1:$oai" --protocol openai-chat --model "$TARGET" --tokenizer "$TARGET"
           --osl "$OSL" --concurrency "$CONCURRENCY" --num-requests "$REQUESTS" --no-progress)
-  "$PY" -m dflash_trt bench sweep "${common[@]}" --isl "$ISL" --system-prompt-tokens "$SYSTEM_TOKENS" \
-    --label "system, cache $mode" --out "$OUT/$mode/system"
-  "$PY" -m dflash_trt bench sweep "${common[@]}" --isl "$TURN_TOKENS" --turns "$TURNS" \
-    --label "multiturn, cache $mode" --out "$OUT/$mode/multiturn"
+  for w in $WORKLOADS; do
+    case $w in
+      system) args=(--isl "$ISL" --system-prompt-tokens "$SYSTEM_TOKENS") ;;
+      multiturn) args=(--isl "$TURN_TOKENS" --turns "$TURNS") ;;
+      *) echo "WORKLOADS: unknown workload $w (system, multiturn)" >&2; exit 2 ;;
+    esac
+    "$PY" -m dflash_trt bench sweep "${common[@]}" "${args[@]}" --label "$w, cache $mode" --out "$OUT/$mode/$w"
+  done
   curl -s "http://127.0.0.1:$metrics/metrics" | grep '^dflash_prefix_cache' > "$OUT/$mode/prefix_cache_metrics.txt" || true
   kill "$SERVER"; wait "$SERVER" 2>/dev/null || true; SERVER=
 done
-echo "wrote $OUT/{on,off}/{system,multiturn}"
+echo "wrote $OUT/{on,off}/{$WORKLOADS}"

@@ -2,9 +2,9 @@
 """Prefix caching: full KV pages of prompts, kept after their request ends and shared read-only by
 later requests whose prompt starts with the same tokens.
 
-A page is keyed by the chain of its tokens: key_i = (key_{i-1}, the page's tokens), so a page matches only
-behind the same whole prefix (the dict compares keys by equality: no hash collision can match a wrong
-page). The target and the drafter share page tables, so a cached page holds both the target's K/V and
+A page is keyed by the chain of its tokens: key_i = (hash(key_{i-1}), the page's tokens), so a page matches
+only behind the same prefix. Each key hashes in O(page) (the parent enters as its 64-bit hash, not as the
+whole chain): two different prefixes would have to collide in that hash for a page to match wrongly. The target and the drafter share page tables, so a cached page holds both the target's K/V and
 the drafter's context K/V of its positions (KV injection): a request that hits the cache drafts exactly
 as if it had prefilled them.
 
@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 from dflash_trt.layers.kv_cache import PageAllocator
 
-Key = tuple[Any, tuple[int, ...]]  # (the parent page's key, or None for the first page; the page's tokens)
+Key = tuple[int, tuple[int, ...]]  # (the parent page's key's hash, 0 for the first page; the page's tokens)
 
 
 class PrefixCache:
@@ -49,10 +48,11 @@ class PrefixCache:
         """The chain keys of the first `limit` full pages of `tokens`."""
         ps = self.page_size
         out: list[Key] = []
-        parent: Key | None = None
+        parent = 0
         for i in range(min(limit, len(tokens) // ps)):
-            parent = (parent, tuple(tokens[i * ps : (i + 1) * ps]))
-            out.append(parent)
+            key = (parent, tuple(tokens[i * ps : (i + 1) * ps]))
+            out.append(key)
+            parent = hash(key)
         return out
 
     def match(self, prompt: Sequence[int]) -> list[int]:
