@@ -157,6 +157,10 @@ class SweepConfig:
             )
         if self.chat and self.tokenizer is None and self.dataset is None:
             raise UsageError("--chat needs --tokenizer", hint="pass --tokenizer with a chat template")
+        self._validate_chats()
+
+    def _validate_chats(self) -> None:
+        """--turns and --system-prompt-tokens: chats, and multi-turn ones in a closed loop."""
         if self.turns > 1 and self.request_rate:
             raise UsageError(f"--turns={self.turns}: a conversation's turns go one after another (closed loop)",
                              hint="use --concurrency (conversations in flight) with --turns")  # fmt: skip
