@@ -66,6 +66,10 @@ class PrefixCache:
             hit.append(page)
         return hit
 
+    def num_idle(self, pages: Sequence[int]) -> int:
+        """How many of `pages` are idle: claiming them takes that many from `num_available`."""
+        return sum(page in self._idle for page in pages)
+
     def claim(self, pages: Sequence[int]) -> None:
         """Take matched pages for a request (`release` gives them back): evictable no more."""
         for page in pages:

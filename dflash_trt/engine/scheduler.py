@@ -135,12 +135,12 @@ class Scheduler:
             group = req.group
             need = self.pages_needed(len(req.prompt_ids), req.max_len - len(req.prompt_ids))
             hit = self._cached_prefix(req)
-            if len(group) > len(self.free_rows) or need * len(group) - len(hit) > self.pages_available:
-                if hit:
-                    self.cache.release(hit)  # type: ignore[union-attr]
+            available = self.pages_available - (self.cache.num_idle(hit) if self.cache is not None else 0)
+            if len(group) > len(self.free_rows) or need * len(group) - len(hit) > available:
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
             if self.cache is not None:
+                self.cache.claim(hit)
                 self.cache.count(len(req.prompt_ids), len(hit))
             now = time.perf_counter()
             for member in group:
@@ -154,13 +154,11 @@ class Scheduler:
             self.prefilling.append(req)
 
     def _cached_prefix(self, req: Request) -> list[int]:
-        """The cached pages the request starts with, claimed (none without caching, or when the request
+        """The cached pages the request would start with (none without caching, or when the request
         scores its prompt: that needs every prompt position's logits)."""
         if self.cache is None or req.prompt_logprobs is not None:
             return []
-        hit = self.cache.match(req.prompt_ids)
-        self.cache.claim(hit)
-        return hit
+        return self.cache.match(req.prompt_ids)
 
     def _allocate(self, n: int) -> list[int]:
         return self.cache.allocate(n) if self.cache is not None else self.allocator.allocate(n)

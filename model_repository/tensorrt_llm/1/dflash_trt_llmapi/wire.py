@@ -185,6 +185,15 @@ def perf_values(perf: Any) -> dict[str, float | int]:
     }
 
 
+def scored(ids: list[int], rows: list[Any], k: int) -> tuple[list[float], list[tuple[int, float]]]:
+    """Tokens `ids` with their {token: Logprob} rows -> each token's log-probability, and the k most
+    likely tokens at each position with theirs (most likely first), flattened."""
+    own = [row[t].logprob for t, row in zip(ids, rows)]
+    top = [(t, lp) for row in rows
+           for _, t, lp in sorted((e.rank, t, e.logprob) for t, e in row.items() if e.rank <= k)[:k]]  # fmt: skip
+    return own, top
+
+
 class WireCodec:
     """Reads a Triton request into a ParsedRequest and writes responses and error responses.
 
@@ -356,9 +365,7 @@ class WireCodec:
         prompt_top_log_probs [(L - 1) * k] (ours)."""
         pb, k = self._pb, parsed.sampling.prompt_logprobs
         ids = list(prompt_ids)
-        own = [row[t].logprob for t, row in zip(ids[1:], rows[1:])]
-        top = [(t, lp.logprob) for row in rows[1:]
-               for t, lp in sorted(row.items(), key=lambda e: e[1].rank or 0) if (lp.rank or 0) <= k][: k * len(own)]  # fmt: skip
+        own, top = scored(ids[1:], rows[1:], k)
         return [
             pb.Tensor("prompt_token_ids", np.array(ids, dtype=np.int32)),
             pb.Tensor("prompt_log_probs", np.array(own, dtype=np.float32)),
@@ -398,10 +405,9 @@ class WireCodec:
             rows = every[len(every) - n :]
             ids = list(comp.token_ids)[len(comp.token_ids) - n :]
             toks += ids
-            own += [row[t].logprob for t, row in zip(ids, rows)]
-            for row in rows:
-                top += [(t, lp) for _, t, lp in sorted((lp.rank, t, lp.logprob) for t, lp in row.items()
-                                                       if lp.rank <= k)[:k]]  # fmt: skip
+            mine, alternatives = scored(ids, rows, k)
+            own += mine
+            top += alternatives
             lengths.append(n)
         out.append(pb.Tensor("output_token_ids", np.array(toks, dtype=np.int32)))
         out.append(pb.Tensor("output_log_probs", np.array(own, dtype=np.float32)))
