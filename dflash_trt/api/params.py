@@ -9,6 +9,47 @@ from dflash_trt.engine.request import DEFAULT_MAX_TOKENS
 from dflash_trt.errors import ConfigError, RequestError
 
 
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")  # TensorRT-LLM's guide types
+
+
+@dataclass
+class GuidedDecodingParams:
+    """TensorRT-LLM's guided decoding: at most one of `json` (a JSON schema: a dict or its text; a
+    boolean true or {} means any JSON value), `regex`, `grammar` (xgrammar's EBNF), `json_object`
+    (any JSON object) and `structural_tag` (xgrammar's structural tag, as JSON text). Every generated
+    token is masked to what the guide still allows (engine/grammar.py); with DFlash the drafts are
+    masked too and the target's distribution at each verified position, so output is distributed as
+    plain constrained decoding's."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def guide(self) -> tuple[str, str]:
+        """(guide type, guide text) in GUIDE_TYPES' terms; RequestError naming `guided_decoding` unless
+        exactly one guide is set."""
+        import json as _json
+
+        set_ = [(k, v) for k, v in (("json_schema", self.json), ("regex", self.regex),
+                                    ("ebnf_grammar", self.grammar), ("structural_tag", self.structural_tag))
+                if v is not None]  # fmt: skip
+        if self.json_object:
+            set_.append(("json", ""))
+        if len(set_) != 1:
+            names = [k for k, _ in set_] or ["none"]
+            raise RequestError(f"guided_decoding sets {', '.join(names)}: exactly one guide is needed",
+                               field="guided_decoding", hint="set one of json, regex, grammar, json_object, structural_tag")  # fmt: skip
+        kind, value = set_[0]
+        if kind == "json_schema" and not isinstance(value, str):
+            value = _json.dumps(value)
+        if not isinstance(value, str):
+            raise RequestError(f"guided_decoding.{kind}={value!r} must be text", field="guided_decoding",
+                               hint="send the guide as a string")  # fmt: skip
+        return kind, value
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """Per-request parameters, with TensorRT-LLM's names and defaults.
@@ -33,6 +74,7 @@ class SamplingParams:
     with it, max_tokens may be 0 (score only, as lm-eval's loglikelihood requests do).
     `bad` (strings, each tokenized alone) and `bad_token_ids` are never generated: a word's last token is
     banned wherever the sequence ends with its others (spec/penalties.py; with DFlash as without).
+    `guided_decoding` (GuidedDecodingParams) constrains the output to a JSON schema, regex or grammar.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -63,6 +105,7 @@ class SamplingParams:
     bad: str | list[str] | None = None
     bad_token_ids: list[int] | None = None
     greedy_draft: bool = False
+    guided_decoding: GuidedDecodingParams | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -105,6 +105,10 @@ class Generation:
     best_of: int | None = None  # candidates of which the n most likely are returned (not streamed)
     echo: bool = False  # completions: the prompt before each choice's text (and its log-probabilities)
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
+    # guided decoding, in the Triton model's terms (guided_decoding_guide_type / _guide): one of
+    # api/params.py's GUIDE_TYPES and its text ("" for "json": any JSON object)
+    guide_type: str | None = None
+    guide: str = ""
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
