@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "ensure_tiny": "dflash_trt.tiny:ensure_tiny",
     "LLM": "dflash_trt.api.llm:LLM",
     "SamplingParams": "dflash_trt.api.params:SamplingParams",
+    "GuidedDecodingParams": "dflash_trt.api.params:GuidedDecodingParams",
     "KvCacheConfig": "dflash_trt.api.params:KvCacheConfig",
     "CudaGraphConfig": "dflash_trt.api.params:CudaGraphConfig",
     "DFlashDecodingConfig": "dflash_trt.spec.decoding_config:DFlashDecodingConfig",
@@ -37,6 +38,7 @@ __all__ = [
     "DFlashDecodingConfig",
     "DFlashDrafter",
     "GenerationResult",
+    "GuidedDecodingParams",
     "HFTarget",
     "KvCacheConfig",
     "SamplingParams",
@@ -50,7 +52,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from dflash_trt.api.llm import LLM
-    from dflash_trt.api.params import CudaGraphConfig, KvCacheConfig, SamplingParams
+    from dflash_trt.api.params import CudaGraphConfig, GuidedDecodingParams, KvCacheConfig, SamplingParams
     from dflash_trt.models.checkpoint import load_drafter
     from dflash_trt.models.dflash_config import DFlashConfig, parse_dflash_config
     from dflash_trt.models.drafter import DFlashDrafter

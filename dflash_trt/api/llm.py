@@ -122,6 +122,7 @@ class LLM:
         compile: bool | None = None,
         compile_cache: str | None = None,
         wedge_timeout_s: float | None = DEFAULT_WEDGE_TIMEOUT_S,
+        guided_decoding_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         _check_accepted_noops(kwargs)
@@ -148,6 +149,7 @@ class LLM:
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
             kv_cache_config=kv_cache_config, cuda_graph_config=cuda_graph_config, enforce_eager=enforce_eager,
             profile=profile, use_plugins=use_plugins, compile=compile, compile_dir=compile_dir,
+            guided_decoding_backend=guided_decoding_backend,
         )  # fmt: skip
         self.engine = self._load_engine(models.target_dir, spec, compile=compile)
         self.speculative_config = spec
@@ -543,7 +545,7 @@ def _check_accepted_noops(kwargs: dict[str, Any]) -> None:
                 f"LLM() got an unsupported argument {key!r}; the embedded engine accepts: model, tokenizer, "
                 "speculative_config, max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, "
                 f"cuda_graph_config, device, dtype, enforce_eager, profile, use_plugins, cpu_threads, compile, "
-                "wedge_timeout_s, "
+                "wedge_timeout_s, guided_decoding_backend, "
                 f"{', '.join(sorted(_ACCEPTED_NOOP))}"
             )
         allowed = _ACCEPTED_NOOP[key]
@@ -827,4 +829,5 @@ def _request_params(sp: SamplingParams, tokenizer: Any = None) -> RequestParams:
         prompt_logprobs=sp.prompt_logprobs,
         bad_words=_bad_words(sp, tokenizer),
         n=sp.num_sequences,
+        guide=sp.guided_decoding.guide() if sp.guided_decoding is not None else None,
     )

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from dflash_trt.engine.request import DEFAULT_MAX_TOKENS
 from dflash_trt.errors import ConfigError, RequestError
 
-
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")  # TensorRT-LLM's guide types
 
 

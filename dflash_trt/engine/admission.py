@@ -10,8 +10,9 @@ Thread-safe: it reads only what is fixed once the engine is built.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +23,9 @@ from dflash_trt.errors import ConfigError, RequestError
 from dflash_trt.spec.penalties import validate_bad_words, validate_penalties
 from dflash_trt.spec.prompt import check_prompt_ids
 from dflash_trt.spec.sampling import validate_sampling
+
+if TYPE_CHECKING:
+    from dflash_trt.engine.grammar import GrammarCompiler
 
 
 class Admission:
@@ -36,6 +40,8 @@ class Admission:
         self.kv_pages = kv_pages
         self.pages_needed = pages_needed
         self.scratch_tokens = scratch_tokens
+        self._grammars: GrammarCompiler | None = None  # made for the first guided request
+        self._grammar_lock = threading.Lock()
         self._ids = itertools.count()
 
     def admit(self, prompt_ids: list[int], params: RequestParams, *, owner: Any = None) -> Request:
@@ -44,12 +50,43 @@ class Admission:
         self._check_lengths(len(prompt_ids), params.max_tokens, scoring=params.prompt_logprobs is not None)
         self._check_sampling(params)
         self._check_sequences(params.n, self.pages_needed(len(prompt_ids), params.max_tokens))
+        compiled = self._compile_guide(params)
         leader = self.make_request(prompt_ids, params, owner=owner)
         leader.siblings = [
             self.make_request(prompt_ids, params, owner=owner, index=i, seed=sequence_seed(leader.seed, i))
             for i in range(1, params.n)
         ]  # fmt: skip
+        if compiled is not None:
+            assert self._grammars is not None
+            for member in leader.group:
+                member.guide = self._grammars.guide(compiled)
         return leader
+
+    def _compile_guide(self, params: RequestParams) -> Any:
+        """A guided request's compiled grammar (None for a free one), from the engine's compiler (made
+        for the first guided request: loading xgrammar costs ~1 s)."""
+        if params.guide is None:
+            return None
+        if self.config.guided_decoding_backend is None:
+            raise RequestError("guided_decoding: this engine runs without a guided-decoding backend",
+                               field="guided_decoding", hint="start the LLM with guided_decoding_backend='xgrammar'")  # fmt: skip
+        if self.tokenizer is None:
+            raise RequestError("guided_decoding needs a tokenizer, and this model has none",
+                               field="guided_decoding", hint="serve a model with a tokenizer")  # fmt: skip
+        for name, off in (("ignore_eos", False), ("min_tokens", 0)):
+            if getattr(params, name) != off:
+                raise RequestError(f"{name}={getattr(params, name)!r}: a guided request ends where its guide does",
+                                   field=name, hint=f"omit {name} with guided decoding")  # fmt: skip
+        if params.end_id is not None and params.end_id not in self.eos_token_ids:
+            raise RequestError(f"end_id={params.end_id}: a guide ends at the model's end ids {list(self.eos_token_ids)}",
+                               field="end_id", hint="omit end_id with guided decoding")  # fmt: skip
+        with self._grammar_lock:
+            if self._grammars is None:
+                from dflash_trt.engine.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        kind, text = params.guide
+        return self._grammars.compile(kind, text)
 
     def _check_sequences(self, n: Any, pages: int) -> None:
         """n sequences run side by side: each holds a batch row and its own pages from the start."""

@@ -198,6 +198,8 @@ class LLMEngine:
                      logprobs: list[Any] | None = None) -> StepUpdate:  # fmt: skip
         finish, stop_reason, tokens, text_delta = commit_tokens(req, new, tokenizer=self.tokenizer, first=first,
                                                                 accepted=accepted)  # fmt: skip
+        if req.guide is not None:
+            req.guide.advance(tokens)
         if logprobs is not None:  # one per new token; the stop rules may have kept fewer
             req.token_logprobs.extend(logprobs)
             del req.token_logprobs[len(req.output_ids) :]

@@ -48,6 +48,7 @@ class RequestParams:
     n: int = 1  # sequences sampled from the prompt: one prefill, then n independent decodes
     prompt_logprobs: int | None = None  # score the prompt: its tokens' log-probabilities (k alternatives)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (spec/penalties.py)
+    guide: tuple[str, str] | None = None  # guided decoding: (guide type, text) (engine/grammar.py)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
+    guide: Any = None  # guided decoding: the sequence's matcher (engine/grammar.py Guide)
     # sampled with the caller's seed: its tokens must not depend on what it is batched with, so its
     # rounds draft the full block (a draft length chosen by load would change its samples)
     reproducible: bool = False

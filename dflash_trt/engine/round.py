@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from dflash_trt.engine.grammar import GuidedRound, mask_logits
 from dflash_trt.layers.kv_cache import PagedKVCache, context_index, slot_mapping
 from dflash_trt.spec.penalties import ANY_TOKEN, MAX_BAD_WORD_TOKENS, NO_TOKEN, ban_bad_words, penalize
 from dflash_trt.spec.sampling import (
@@ -207,6 +208,9 @@ class RoundParts:
         self.tap_layers: list[int] | None = None
         self.mask_token_id = 0
         self.penalties: Penalties | None = None  # made for the first request with a penalty (`penalty_state`)
+        # guided decoding: set by the runner for the one (eager) round whose batch holds a guided request
+        self.guided: GuidedRound | None = None
+        self.bitmask_words = (target.config.vocab_size + 31) // 32
         if drafter is not None:
             self._bind_drafter(drafter, num_pages=num_pages)
 
@@ -465,6 +469,7 @@ class _Drafted:
 
     tokens: torch.Tensor  # [bs, g]
     q: torch.Tensor | None = None  # [bs, g, V] the draft distribution (v1, sampling batches)
+    bitmask: torch.Tensor | None = None  # guided: [bs, g + 1, words] each verified position's allowed tokens
     proposal: Proposal | None = None  # DFlash 2: q over each slot's candidates, the overturned picks
 
 
@@ -496,6 +501,9 @@ def round_chain(p: RoundParts, x: RoundInputs, g: int, flags: Flags, t_draft: fl
     logits = _verify(p, x, drafted.tokens, blk)
     if flags[3]:
         logits = _penalize_block(p, x, logits, drafted.tokens)
+    if p.guided is not None:
+        bitmask = drafted.bitmask if drafted.bitmask is not None else p.guided.along(drafted.tokens)
+        logits = mask_logits(logits, bitmask.to(logits.device))
     t_accept = p.phase_clock()
     acc, emit = _accept(p, drafted, logits, blk, d_valid, sampling)
     if flags[3]:
@@ -511,6 +519,8 @@ def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: Flags, budget: int,
     """DDTree: draft, build each request's tree of `budget` nodes, verify it, walk it, commit."""
     blk = _block(p, x, g)
     d_logits = _draft_logits(p, x, blk)  # [bs, g, V]
+    if p.guided is not None:
+        d_logits = _masked_along_argmax(p.guided, d_logits)
     if p.native_tree:
         build = build_tree_native
     else:
@@ -518,6 +528,8 @@ def round_tree(p: RoundParts, x: RoundInputs, g: int, flags: Flags, budget: int,
     tree = build(d_logits, x.anchors, budget=budget, max_depth=x.block_lens - 1)
     t_verify = p.phase_clock()
     logits, taps, node_slots = _verify_tree(p, tree, x, blk)
+    if p.guided is not None:  # each node's children: the state after its path
+        logits = mask_logits(logits, p.guided.tree(tree.tokens, tree.parents, tree.valid).to(logits.device))
     t_accept = p.phase_clock()
     walk = _accept_tree(p, tree, logits, x, flags, g)
     _commit_tree(p, walk, node_slots, taps, x, blk.cap)
@@ -625,6 +637,8 @@ def _draft(p: RoundParts, x: RoundInputs, blk: _Block, sampling: _Sampling) -> _
     g = bq - 1
     slots = _draft_hidden(p, x, blk)  # [bs, g, D]
     d_logits = p.drafter.compute_logits(slots)  # [bs, g, V]
+    if p.guided is not None:
+        return _draft_guided(p, x, blk, sampling, slots, d_logits)
     if p.drafter.selector is not None:
         return select(p, x, blk, slots, d_logits, sampling)
     argmax = d_logits.argmax(dim=-1)
@@ -638,6 +652,36 @@ def _draft(p: RoundParts, x: RoundInputs, blk: _Block, sampling: _Sampling) -> _
     drafts = torch.where(greedy[:, None], argmax, sampled)
     one_hot = torch.zeros_like(q_probs).scatter_(-1, drafts[..., None], 1.0)
     return _Drafted(drafts, q=torch.where(greedy[:, None, None], one_hot, q_probs))
+
+
+def _masked_along_argmax(guided: GuidedRound, d_logits: torch.Tensor) -> torch.Tensor:
+    """Draft logits [bs, g, V] with slot j masked by the guide's state after the masked argmax drafts
+    1..j: what a DFlash 2 selector or a DDTree proposes from (their own picks are walked afterwards)."""
+    _, bitmask = guided.chain(d_logits, lambda j, m: m.argmax(dim=-1))
+    return mask_logits(d_logits.clone(), bitmask[:, :-1].to(d_logits.device))
+
+
+def _draft_guided(p: RoundParts, x: RoundInputs, blk: _Block, sampling: _Sampling, slots: torch.Tensor,
+                  d_logits: torch.Tensor) -> _Drafted:  # fmt: skip
+    """`_draft` under guides (engine/grammar.py): slot j + 1 drafted from logits masked by the state
+    after drafts 1..j, argmax or a draw from the masked q with the slot's PURPOSE_DRAFT uniform."""
+    assert p.guided is not None and p.drafter is not None
+    if p.drafter.selector is not None:
+        return select(p, x, blk, slots, _masked_along_argmax(p.guided, d_logits), sampling)
+    if sampling.all_greedy:
+        drafts, bitmask = p.guided.chain(d_logits, lambda j, m: m.argmax(dim=-1))
+        return _Drafted(drafts, bitmask=bitmask)
+    u = uniform(x.seeds, blk.pos[:, 1:], PURPOSE_DRAFT, native=p.native_uniform)  # [bs, g]
+    greedy, qs = x.greedy_draft, []
+
+    def pick(j: int, masked: torch.Tensor) -> torch.Tensor:
+        q = sampling.probs(masked, per_row=1)  # [bs, V]
+        tok = torch.where(greedy, masked.argmax(dim=-1), sample_from_probs(q, u[:, j]))
+        qs.append(torch.where(greedy[:, None], torch.zeros_like(q).scatter_(-1, tok[:, None], 1.0), q))
+        return tok
+
+    drafts, bitmask = p.guided.chain(d_logits, pick)
+    return _Drafted(drafts, q=torch.stack(qs, dim=1), bitmask=bitmask)
 
 
 def select(p: RoundParts, x: RoundInputs, blk: _Block, hidden: torch.Tensor, logits: torch.Tensor,

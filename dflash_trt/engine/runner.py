@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from dflash_trt.engine.grammar import guided_round, mask_logits
 from dflash_trt.engine.round import (
     RoundInputs,
     RoundOutput,
@@ -102,6 +103,10 @@ class ModelRunner:
         processed = [s.processed and d for s, d in zip(reqs, done)]
         if any(processed) or self.parts.penalties is not None:
             logits = self._start_penalties(reqs, done, logits)
+        guided = guided_round([s if d else None for s, d in zip(reqs, done)], self.parts.bitmask_words)
+        if guided is not None:  # the first token is masked by each guide's start state
+            empty = torch.zeros(len(reqs), 0, dtype=torch.long)
+            logits = mask_logits(logits.clone(), guided.along(empty)[:, 0].to(logits.device))
         tokens = self._first_tokens(reqs, logits, seq_lens, min_p=any(processed))
         if any(processed):
             self._count_first(reqs, processed, tokens)
@@ -200,7 +205,15 @@ class ModelRunner:
         self._check_scratch(reqs, spans)
         width = pages_for(max(s.start + n for s, n in zip(reqs, spans)), self.page_size)
         inputs = RoundInputs.build(reqs, block_lens, width, self.device)
-        stacked = self.executor.round(inputs, shape)
+        guided = guided_round(reqs, self.parts.bitmask_words)
+        if guided is None:
+            stacked = self.executor.round(inputs, shape)
+        else:  # the matchers run on the host between the round's passes: eager (engine/grammar.py)
+            self.parts.guided = guided
+            try:
+                stacked = self.parts.round(*inputs, **shape.kwargs())
+            finally:
+                self.parts.guided = None
         out = unstack(stacked.tolist(), g, budget)  # the round's one read-back
         self.times.round_s += time.perf_counter() - t0
         self.times.rounds += 1
