@@ -8,8 +8,9 @@ module knows what the texts are; protocol.py knows which request fields carry th
 `compile_error` compiles a guide with xgrammar's tokenizer-free constructors (a JSON schema, a
 regular expression or an EBNF grammar each compile in well under a millisecond), so a bad guide is a
 400 before it reaches the model; the engine compiles it again against its tokenizer. xgrammar is
-imported on the first guided request only (it imports torch); where it is not installed the check
-is skipped and the engine alone judges the guide.
+imported by the first guide to compile, never at `import dflash_trt` (it imports torch; in the front,
+which has torch already for its tokenizer, the import takes about 0.1 s); where it is not installed
+the check is skipped and the engine alone judges the guide.
 """
 
 from __future__ import annotations
