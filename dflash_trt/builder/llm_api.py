@@ -88,6 +88,19 @@ def validate_against_field_list(cfg: dict[str, Any]) -> None:
         k = spec.get("max_draft_len")
         if not isinstance(k, int) or k <= 0:
             raise ConfigError("llm_api.speculative_config.max_draft_len", k, "must be set and > 0 (DFlash)")
+        _check_rejection_sampling(cfg, spec)
+
+
+def _check_rejection_sampling(cfg: dict[str, Any], spec: dict[str, Any]) -> None:
+    """TorchLlmArgs refuses an explicit use_rejection_sampling: true beside a guided_decoding_backend (the
+    field list's other_validators)."""
+    if spec.get("use_rejection_sampling") is True and cfg.get("guided_decoding_backend") is not None:
+        raise ConfigError(
+            "llm_api.speculative_config.use_rejection_sampling",
+            True,
+            f"TensorRT-LLM refuses it beside guided_decoding_backend={cfg['guided_decoding_backend']!r}",
+            hint="drop use_rejection_sampling, or build with --no-guided-decoding",
+        )
 
 
 def validate_llm_api(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,12 @@ from dflash_trt.errors import UsageError
 
 MODEL_NAME = "tensorrt_llm"
 CHECKPOINTS = "engine/checkpoints"
+GUIDED_DECODING_BACKEND = "xgrammar"  # the LLM-API's guided_decoding_backend (TensorRT-LLM's and ours)
+
+
+def guided_decoding_args(req: BuildRequest) -> dict[str, str]:
+    """The LLM-API arguments that let the model serve structured outputs (none with --no-guided-decoding)."""
+    return {"guided_decoding_backend": GUIDED_DECODING_BACKEND} if req.guided_decoding else {}
 
 
 def bundle_files(*, serve_script: bool) -> dict[str, str]:
@@ -60,13 +66,16 @@ class BuildRequest:
     no_remote_code: bool = False  # refuse a plan that needs trust_remote_code (builder/remote_code.py)
     tree_budget: int | str | None = None  # torch backend: DDTree nodes per round (0 = linear), or "auto"
     prefix_caching: bool = True  # kv_cache_config.enable_block_reuse
+    guided_decoding: bool = True  # guided_decoding_backend: xgrammar (structured outputs)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if out["tree_budget"] is None:  # an extension recorded only when asked for (older manifests lack it)
             del out["tree_budget"]
-        if out["prefix_caching"]:  # recorded only when turned off (the default since older manifests)
-            del out["prefix_caching"]
+        # recorded only when turned off (older manifests lack them)
+        for key in ("prefix_caching", "guided_decoding"):
+            if out[key]:
+                del out[key]
         return out
 
 

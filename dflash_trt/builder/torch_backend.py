@@ -13,6 +13,7 @@ from dflash_trt.builder.plan import (
     BuildRequest,
     bundle_files,
     bundle_name,
+    guided_decoding_args,
 )
 from dflash_trt.builder.shapes import (
     checkpoint_gb,
@@ -124,6 +125,7 @@ def _llm_api(
         "max_num_tokens": limits["max_num_tokens"],
         "max_seq_len": limits["max_seq_len"],
         "kv_cache_config": {"enable_block_reuse": req.prefix_caching},
+        **guided_decoding_args(req),
     }
     tree = parse_tree_budget(req.tree_budget, field_name="--tree-budget")
     if tree != 0:

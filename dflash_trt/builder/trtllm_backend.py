@@ -22,6 +22,7 @@ from dflash_trt.builder.plan import (
     BuildRequest,
     bundle_files,
     bundle_name,
+    guided_decoding_args,
 )
 from dflash_trt.builder.remote_code import decide_remote_code
 from dflash_trt.builder.shapes import (
@@ -335,6 +336,9 @@ def _llm_api_config(
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": limits["max_batch_size"]},
         "enable_attention_dp": False,
         "speculative_config": spec,
+        # structured outputs; TensorRT-LLM refuses DFlash's use_rejection_sampling (never set here) beside
+        # it (llm_api.py)
+        **guided_decoding_args(req),
     }
     if trust_remote_code:  # only when a repository needs it (builder/remote_code.py); default False
         llm_api["trust_remote_code"] = True
@@ -397,6 +401,13 @@ def _notes(req: BuildRequest, source: str) -> list[str]:
         "dflash-trt's embedded engine keeps the drafter's context with the cached pages and is tested to keep "
         "DFlash's acceptance; that TensorRT-LLM's DFlash worker does the same is unverified.",
     ]
+    if req.guided_decoding:
+        notes.append(
+            "guided_decoding_backend: xgrammar, so the model serves structured outputs (JSON schema, regex, "
+            "grammar). TensorRT-LLM does not combine it with DFlash's rejection sampling: "
+            "speculative_config.use_rejection_sampling (off by default, never set here) is refused beside it. "
+            "--no-guided-decoding leaves the backend out."
+        )
     if source == "mxfp4-cast":
         notes.append(
             "serving an NVFP4-cast gpt-oss checkpoint in TensorRT-LLM is undocumented upstream [unverified]"

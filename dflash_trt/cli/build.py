@@ -85,6 +85,12 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     help="Reuse the KV pages (and the drafter's context) of prompts seen before: kv_cache_config."
     "enable_block_reuse in the bundle's LLM-API config (on, TensorRT-LLM's default).",
 )
+@click.option(
+    "--guided-decoding/--no-guided-decoding",
+    default=True,
+    help="Accept structured-output requests (JSON schema, regex, grammar): guided_decoding_backend: xgrammar "
+    "in the bundle's LLM-API config (on). TensorRT-LLM does not combine it with DFlash's rejection sampling.",
+)
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None)
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None)

@@ -14,8 +14,11 @@ Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_
 `presence_penalty`, `logit_bias` (token-id strings -> bias); extensions as in vLLM: `stop_token_ids`,
 `ignore_eos`, `min_tokens`, `repetition_penalty`, `min_p`, `stream_options.continuous_usage_stats` (usage
 on every chunk), `chat_template_kwargs`, log-probabilities (completions' `logprobs: 0..5`, chat's
-`logprobs: true` with `top_logprobs: 0..20`; not streamed yet). Refused with 400: `n>1`, `best_of>1`,
-`logprobs` with `stream`, `echo`, `suffix`, tools/functions, `response_format` other than text, non-text content, token-id prompts,
+`logprobs: true` with `top_logprobs: 0..20`; not streamed yet); structured outputs on both endpoints
+(`_structured`): `response_format` (text, json_object, json_schema), vLLM's `structured_outputs` (json,
+regex, choice, grammar, json_object, structural_tag) and its older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`, one guide per request. Refused with 400: `n>1`, `best_of>1`,
+`logprobs` with `stream`, `echo`, `suffix`, tools/functions, non-text content, token-id prompts,
 and any key not listed here.
 """
 
@@ -26,6 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from dflash_trt.openai_front import guides
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 INT32 = (-(2**31), 2**31 - 1)  # what an INT32 Triton input carries
@@ -109,6 +114,7 @@ class Generation:
     # api/params.py's GUIDE_TYPES and its text ("" for "json": any JSON object)
     guide_type: str | None = None
     guide: str = ""
+    guide_param: str = "response_format"  # the request field the guide came from (errors name it)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -155,12 +161,16 @@ _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "se
 # the distribution's fields (spec/penalties.py): numbers the engine range-checks
 _PENALTIES = {"frequency_penalty": "send a number in [-2, 2]; 0 = off", "presence_penalty": "send a number in [-2, 2]; 0 = off",
               "repetition_penalty": "send a number > 0; 1 = off", "min_p": "send a number in [0, 1]; 0 = off"}  # fmt: skip
-_COMPLETIONS_KEYS = _COMMON | {"prompt"} | set(_OFF_ONLY) | _IGNORED
+# structured outputs (`_structured`), on both endpoints
+_GUIDE_KEYS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar"})  # fmt: skip
+_COMPLETIONS_KEYS = _COMMON | {"prompt"} | set(_OFF_ONLY) | _IGNORED | _GUIDE_KEYS
 _CHAT_KEYS = (
     _COMMON
-    | {"messages", "max_completion_tokens", "response_format", "chat_template_kwargs", "top_logprobs"}
+    | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"}
     | set(_OFF_ONLY)
     | _IGNORED
+    | _GUIDE_KEYS
 )
 _ROLES = ("system", "developer", "user", "assistant")
 
@@ -350,6 +360,129 @@ def echo_logprobs(gen: Generation, o: Outcome, choice: Choice, token_text: Any) 
             "text_offset": [0, *(len(first) + x for x in body["text_offset"]), *rest["text_offset"]]}  # fmt: skip
 
 
+# ------------------------------------------------------------------------------ structured outputs
+# vLLM's structured_outputs keys (each one guide) and the older top-level guided_* fields
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_TEXT_KINDS = {
+    "regex": "regex",
+    "grammar": "ebnf_grammar",
+    "structural_tag": "structural_tag",
+}  # key -> guide type
+_FIXES = {  # guide type -> how to send one that compiles
+    "json_schema": "send a JSON Schema that xgrammar supports",
+    "regex": "send a regular expression that xgrammar supports (no lookaround or backreferences)",
+    "ebnf_grammar": 'send an EBNF grammar in xgrammar\'s syntax with a root rule, e.g. root ::= "yes" | "no"',
+    "structural_tag": "send an xgrammar structural tag as JSON text",
+}
+_SCHEMA_FIELDS = {
+    "name": str,
+    "schema": dict,
+    "strict": bool,
+    "description": str,
+}  # OpenAI's json_schema object
+_SCHEMA_FIX = 'send e.g. {"name": "answer", "schema": {"type": "object"}, "strict": true}'
+_Guide = tuple[str, Any, str, str]  # (the field errors name, its value, guide type, guide text)
+
+
+def _structured(body: dict[str, Any], gen: Generation) -> None:
+    """The request's guide (at most one, from response_format, structured_outputs or a guided_* field) as
+    the Triton model's guide type and text, compiled here when xgrammar is installed (guides.py)."""
+    found: list[_Guide] = []
+    if body.get("response_format") is not None:
+        found += _response_format(body["response_format"])
+    if body.get("structured_outputs") is not None:
+        found.append(_structured_outputs(body["structured_outputs"]))
+    found += [_guide(key, kind, body[key]) for key, kind in _GUIDED.items() if body.get(key) is not None]
+    if len(found) > 1:
+        raise bad(found[1][0], found[1][1], f"is a second guide beside {found[0][0]}",
+                  "send one guide: response_format, structured_outputs or one guided_* field")  # fmt: skip
+    if not found:
+        return
+    param, value, kind, text = found[0]
+    error = guides.compile_error(kind, text)
+    if error is not None:
+        raise bad(param, value, f"does not compile: {error}", _FIXES[kind])
+    gen.guide_param, gen.guide_type, gen.guide = param, kind, text
+
+
+def _response_format(fmt: Any) -> list[_Guide]:
+    """OpenAI's response_format: text (no guide), json_object (any JSON object) or json_schema."""
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(fmt, dict) or fmt.get("type") not in kinds:
+        raise bad("response_format", fmt, f"must be an object whose type is one of {', '.join(kinds)}",
+                  'send {"type": "json_schema", "json_schema": {...}}, {"type": "json_object"} or {"type": "text"}')  # fmt: skip
+    kind = fmt["type"]
+    for key in fmt:
+        if key != "type" and not (key == "json_schema" and kind == "json_schema"):
+            raise bad(f"response_format.{key}", fmt[key], f"is not a field of a {kind} response_format",
+                      f"remove {key}")  # fmt: skip
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", fmt, "json", "")]
+    return [_json_schema(fmt.get("json_schema"))]
+
+
+def _json_schema(spec: Any) -> _Guide:
+    """response_format's json_schema object: a name, the schema (a JSON object), strict, description."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad(where, spec, "is required (an object)", _SCHEMA_FIX)
+    for key, value in spec.items():
+        want = _SCHEMA_FIELDS.get(key)
+        if want is None:
+            raise bad(f"{where}.{key}", value, "is not supported", f"remove {key}; {_SCHEMA_FIX}")
+        if not isinstance(value, want) and not (key == "strict" and value is None):
+            kind = "an object" if want is dict else f"a {want.__name__}"
+            raise bad(f"{where}.{key}", value, f"must be {kind}", _SCHEMA_FIX)
+    for key in ("name", "schema"):
+        if key not in spec or (key == "name" and not spec[key]):
+            raise bad(f"{where}.{key}", spec.get(key), "is required",
+                      f'{_SCHEMA_FIX} (for any JSON object: response_format {{"type": "json_object"}})')  # fmt: skip
+    return f"{where}.schema", spec["schema"], "json_schema", json.dumps(spec["schema"])
+
+
+def _structured_outputs(so: Any) -> _Guide:
+    """vLLM's structured_outputs: an object that sets exactly one of _SO_KEYS."""
+    fix = f"send an object with exactly one of {', '.join(_SO_KEYS)}"
+    if not isinstance(so, dict):
+        raise bad("structured_outputs", so, "must be an object", fix)
+    for key in so:
+        if key not in _SO_KEYS:
+            raise bad(f"structured_outputs.{key}", so[key], "is not supported", f"remove {key}; {fix}")
+    keys = [k for k in _SO_KEYS if so.get(k) not in (None, False)]
+    if len(keys) != 1:
+        raise bad("structured_outputs", so, f"sets {len(keys)} guides ({', '.join(keys) or 'none'})", fix)
+    return _guide(f"structured_outputs.{keys[0]}", keys[0], so[keys[0]])
+
+
+def _guide(param: str, key: str, value: Any) -> _Guide:
+    """One of vLLM's guide fields (`key`, one of _SO_KEYS) as a guide type and text."""
+    if key == "json":
+        text = guides.schema_text(value)
+        if text is None:
+            raise bad(param, value, "must be a JSON Schema: a JSON object, or its text", 'send e.g. {"type": "object"}')  # fmt: skip
+        return param, value, "json_schema", text
+    if key == "json_object":
+        if value is not True:
+            raise bad(param, value, "must be true", "send true for any JSON object, or omit it")
+        return param, value, "json", ""
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise bad(param, value, "must be a non-empty list of strings", 'send e.g. ["yes", "no"]')
+        return param, value, "ebnf_grammar", guides.choice_grammar(value)
+    text = json.dumps(value) if key == "structural_tag" and isinstance(value, dict) else value
+    if not isinstance(text, str) or not text:
+        raise bad(param, value, "must be a non-empty string", _FIXES[_TEXT_KINDS[key]])
+    return param, value, _TEXT_KINDS[key], text
+
+
 def _max_tokens(gen: Generation, key: str, value: Any) -> None:
     """max_tokens (or chat's max_completion_tokens), as far as the INT32 input carries it."""
     if value is None:
@@ -394,6 +527,7 @@ def parse_completions(body: Any, served: list[str]) -> Generation:
     if not prompt:
         raise bad("prompt", prompt, "is empty", "send a non-empty prompt string")
     gen.prompt = prompt
+    _structured(body, gen)
     gen.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     _max_tokens(gen, "max_tokens", body.get("max_tokens"))
     return gen
@@ -409,10 +543,7 @@ def parse_chat(body: Any, served: list[str]) -> Generation:
     """POST /v1/chat/completions (the prompt text is rendered later by the chat template)."""
     body, gen = _begin(body, served, kind="chat")
     _chat_logprobs(body, gen)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", fmt, "structured output is not supported",
-                  'omit response_format or send {"type": "text"}')  # fmt: skip
+    _structured(body, gen)
     gen.messages = _messages(body.get("messages"))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:

@@ -94,6 +94,8 @@ def _param(field: str | None, gen: Generation) -> str | None:
         return "messages" if gen.kind == "chat" else "prompt"
     if name == "max_tokens":
         return gen.max_tokens_param
+    if name in ("guided_decoding", "guided_decoding_guide", "guided_decoding_guide_type"):
+        return gen.guide_param  # the engine's field, or the model's inputs: the client's guide field
     return name
 
 

@@ -35,7 +35,7 @@ class Port:
     data_type: str
     dims: tuple[int, ...]
     optional: bool = True
-    ours: bool = False  # a dflash-trt addition (absent from NVIDIA's model)
+    ours: bool = False  # a dflash-trt addition (absent from NVIDIA's models)
 
 
 INPUTS: tuple[Port, ...] = (
@@ -61,6 +61,10 @@ INPUTS: tuple[Port, ...] = (
     Port("lora_name", "TYPE_STRING", (1,)),
     Port("lora_path", "TYPE_STRING", (1,)),
     Port("lora_ckpt_source", "TYPE_STRING", (1,)),
+    # guided decoding: NVIDIA's names and types from its inflight_batcher_llm model (its llmapi model has
+    # none); guide types json, json_schema, regex, ebnf_grammar, and ours, structural_tag
+    Port("guided_decoding_guide_type", "TYPE_STRING", (1,)),
+    Port("guided_decoding_guide", "TYPE_STRING", (1,)),  # the schema, regex or grammar text
     Port("sampling_param_ignore_eos", "TYPE_BOOL", (1,), ours=True),
     Port("sampling_param_min_tokens", "TYPE_INT32", (1,), ours=True),
     Port("sampling_param_stop_token_ids", "TYPE_INT32", (-1,), ours=True),

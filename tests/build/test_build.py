@@ -77,6 +77,37 @@ def test_prefix_caching_is_written_into_both_backends_configs(cli, flag):
         assert ("prefix_caching" in plan["inputs"]) is not on
 
 
+@pytest.mark.parametrize("flag", [[], ["--no-guided-decoding"]])
+def test_guided_decoding_is_written_into_both_backends_configs(cli, flag):
+    """guided_decoding_backend: xgrammar by default (structured outputs), left out with --no-guided-decoding;
+    the manifest records only the change, and the TensorRT-LLM plan says what the backend costs there."""
+    on = not flag
+    trt = json.loads(cli(["build", *PLANS["qwen3-8b-h100-fp8"], *flag, "--dry-run", "--json"])[1])
+    cpu = json.loads(cli(["build", "--target", "tiny", *flag, "--dry-run", "--json"])[1])
+    for plan in (trt, cpu):
+        assert plan["llm_api"].get("guided_decoding_backend") == ("xgrammar" if on else None)
+        assert ("guided_decoding" in plan["inputs"]) is not on
+        assert "use_rejection_sampling" not in plan["llm_api"]["speculative_config"]
+    assert any("use_rejection_sampling" in note for note in trt["notes"]) is on
+
+
+def test_rejection_sampling_beside_a_guided_decoding_backend_is_refused():
+    """TorchLlmArgs raises on an explicit use_rejection_sampling: true beside guided_decoding_backend."""
+    spec = {
+        "decoding_type": "DFlash",
+        "max_draft_len": 7,
+        "speculative_model": "d",
+        "use_rejection_sampling": True,
+    }
+    validate_against_field_list({"model": "m", "speculative_config": spec})
+    with pytest.raises(ConfigError, match=r"use_rejection_sampling.*guided_decoding_backend='xgrammar'"):
+        validate_against_field_list(
+            {"model": "m", "speculative_config": spec, "guided_decoding_backend": "xgrammar"}
+        )
+    validate_against_field_list({"model": "m", "speculative_config": {**spec, "use_rejection_sampling": False},
+                                 "guided_decoding_backend": "xgrammar"})  # fmt: skip
+
+
 def test_gpt_oss_120b_profiles(cli):
     b200 = json.loads(cli(["build", *PLANS["gpt-oss-120b-b200-tp8"], "--dry-run", "--json"])[1])
     h200 = json.loads(cli(["build", *PLANS["gpt-oss-120b-h200-tp8"], "--dry-run", "--json"])[1])

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dflash_trt.api.params import GuidedDecodingParams, SamplingParams
 from dflash_trt.triton.kserve import parse_model_error
 from dflash_trt.triton.llmapi.liveness import DEFAULT_DRAIN_S, drain_budget
 from dflash_trt.triton.llmapi.tracking import RequestTracker
-from dflash_trt.triton.llmapi.wire import RequestInputError, WireCodec, error_text
+from dflash_trt.triton.llmapi.wire import RequestInputError, WireCodec, error_text, guided_params_class
 from dflash_trt.triton.repository import PARTS_PACKAGE, render_repository
 
 
@@ -123,6 +124,61 @@ def test_the_codec_refuses_a_wrong_wire_naming_the_field(inputs, field, match):
     with pytest.raises(RequestInputError, match=match) as info:
         codec(fake_pb()).parse(request(inputs))
     assert info.value.field == field
+
+
+def _guided(inputs: dict[str, Any], sampling: type = SamplingParams) -> Any:
+    wire = WireCodec(fake_pb(), sampling_params=sampling, engine_kind="dflash_trt", max_prompt_bytes=64,
+                     decoupled=True)  # fmt: skip
+    return wire.parse(request({"text_input": [b"a"], **inputs})).sampling.guided_decoding
+
+
+@pytest.mark.parametrize(
+    ("guide_type", "guide", "want"),
+    [
+        ("json", None, GuidedDecodingParams(json_object=True)),
+        ("json", "", GuidedDecodingParams(json_object=True)),  # what the OpenAI front sends
+        ("json_schema", '{"type": "object"}', GuidedDecodingParams(json='{"type": "object"}')),
+        ("regex", "a+", GuidedDecodingParams(regex="a+")),
+        ("ebnf_grammar", 'root ::= "a"', GuidedDecodingParams(grammar='root ::= "a"')),
+        ("structural_tag", '{"type": "structural_tag"}', GuidedDecodingParams(structural_tag='{"type": "structural_tag"}')),
+    ],
+)  # fmt: skip
+def test_the_guide_inputs_become_the_engines_guided_decoding(guide_type, guide, want):
+    inputs = {"guided_decoding_guide_type": [guide_type.encode()]}
+    if guide is not None:
+        inputs["guided_decoding_guide"] = [guide.encode()]
+    assert _guided(inputs) == want
+    assert _guided({}) is None
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field", "match"),
+    [
+        ({"guided_decoding_guide": [b"a+"]}, "guided_decoding_guide_type", "without guided_decoding_guide_type"),
+        ({"guided_decoding_guide_type": [b"lark"], "guided_decoding_guide": [b"x"]}, "guided_decoding_guide_type",
+         "'lark' is not a guide type; send one of json, json_schema, regex, ebnf_grammar, structural_tag"),
+        ({"guided_decoding_guide_type": [b"regex"]}, "guided_decoding_guide", "needs guided_decoding_guide"),
+        ({"guided_decoding_guide_type": [b"json_schema"], "guided_decoding_guide": [b""]}, "guided_decoding_guide",
+         "needs guided_decoding_guide"),
+        ({"guided_decoding_guide_type": [b"json"], "guided_decoding_guide": [b"{}"]}, "guided_decoding_guide",
+         "takes no guided_decoding_guide"),
+        ({"guided_decoding_guide_type": [b"regex", b"json"]}, "guided_decoding_guide_type", "exactly one string"),
+        ({"guided_decoding_guide_type": [b"regex"], "guided_decoding_guide": [b"\xff"]}, "guided_decoding_guide",
+         "not valid UTF-8"),
+    ],
+)  # fmt: skip
+def test_a_wrong_guide_is_refused_naming_the_input(inputs, field, match):
+    with pytest.raises(RequestInputError, match=match) as info:
+        _guided(inputs)
+    assert info.value.field == field
+
+
+def test_an_engine_without_guided_decoding_refuses_the_guide_inputs():
+    """An engine whose SamplingParams has no guided_decoding (or no GuidedDecodingParams beside it)."""
+    with pytest.raises(RequestInputError, match="not supported by engine dflash_trt") as info:
+        _guided({"guided_decoding_guide_type": [b"json"]}, sampling=Sampling)
+    assert info.value.field == "guided_decoding_guide_type"
+    assert guided_params_class(SamplingParams) is GuidedDecodingParams
 
 
 def test_streaming_needs_a_decoupled_model_and_parameters_are_refused():

@@ -230,7 +230,7 @@ BAD_CHAT = [
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"max_tokens": None, "max_completion_tokens": 5000}, "max_completion_tokens"),  # the engine's limit
     ({"messages": []}, "messages"),

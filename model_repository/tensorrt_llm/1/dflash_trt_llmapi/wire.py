@@ -4,8 +4,9 @@
 
 Names and types are NVIDIA's llmapi contract (dflash_trt/triton/repository.py lists the ports). The
 codec checks only what is about the wire: tensor shapes, UTF-8, the INT32 range of integer inputs,
-the prompt's size in bytes, and that streaming needs a decoupled model. What a value means (token
-counts, sampling ranges, stop ids) is the engine's to judge.
+the prompt's size in bytes, that streaming needs a decoupled model, and that a guide
+(guided_decoding_guide) comes with a known guide type (guided_decoding_guide_type). What a value means
+(token counts, sampling ranges, stop ids, whether a guide compiles) is the engine's to judge.
 
 Bounded work: the raw bytes of text_input are checked against max_prompt_bytes (triton_config; by
 default BYTES_PER_TOKEN bytes per token of the LLM's max_seq_len) before anything decodes or
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,6 +62,11 @@ SAMPLING_INPUTS = {
     "sampling_param_bad_token_ids": "bad_token_ids",
 }
 LIST_FIELDS = {"stop", "stop_token_ids", "bad", "bad_token_ids"}
+# Guided decoding: NVIDIA's inputs (its inflight_batcher_llm model's names), read into the engine's
+# GuidedDecodingParams: each guide type and the field its guide sets ("json", any JSON object, takes none).
+GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
+GUIDE_FIELDS = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar",
+                "structural_tag": "structural_tag"}  # fmt: skip
 FLAG_INPUTS = ("streaming", "streaming_delta", "return_finish_reason", "return_stop_reason", "stop",
                "return_cumulative_logprob")  # fmt: skip
 UNSUPPORTED_INPUTS = ("image_url", "lora_id", "lora_name", "lora_path", "lora_ckpt_source")
@@ -194,6 +201,40 @@ def scored(ids: list[int], rows: list[Any], k: int) -> tuple[list[float], list[t
     return own, top
 
 
+def guided_params_class(sampling_params: type) -> type | None:
+    """The engine's GuidedDecodingParams, defined beside its SamplingParams (tensorrt_llm.sampling_params,
+    dflash_trt.api.params); None if the engine has none."""
+    return getattr(sys.modules.get(sampling_params.__module__), "GuidedDecodingParams", None)
+
+
+def guided_decoding(kind: str | None, guide: str | None, params: type | None, engine_kind: str) -> Any:
+    """guided_decoding_guide_type and guided_decoding_guide as the engine's GuidedDecodingParams (`params`);
+    None without either. Whether the guide compiles is the engine's to judge."""
+    if kind is None:
+        if guide is None:
+            return None
+        raise RequestInputError(f"{GUIDE_INPUT} is set without {GUIDE_TYPE_INPUT}; send the type too, one of "
+                                f"{', '.join(GUIDE_FIELDS)}", field=GUIDE_TYPE_INPUT)  # fmt: skip
+    field = GUIDE_FIELDS.get(kind)
+    if field is None:
+        raise RequestInputError(f"{GUIDE_TYPE_INPUT}={kind!r} is not a guide type; send one of "
+                                f"{', '.join(GUIDE_FIELDS)}", field=GUIDE_TYPE_INPUT)  # fmt: skip
+    if params is None:
+        raise RequestInputError(
+            f"{GUIDE_TYPE_INPUT} is not supported by engine {engine_kind}", field=GUIDE_TYPE_INPUT
+        )
+    if field == "json_object":
+        if guide:
+            raise RequestInputError(f"{GUIDE_TYPE_INPUT}='json' (any JSON object) takes no {GUIDE_INPUT}; send "
+                                    f"{GUIDE_TYPE_INPUT}='json_schema' to enforce a schema, or omit the guide",
+                                    field=GUIDE_INPUT)  # fmt: skip
+        return params(json_object=True)
+    if not guide:
+        raise RequestInputError(f"{GUIDE_TYPE_INPUT}={kind!r} needs {GUIDE_INPUT} (its {field} text); send it",
+                                field=GUIDE_INPUT)  # fmt: skip
+    return params(**{field: guide})
+
+
 class WireCodec:
     """Reads a Triton request into a ParsedRequest and writes responses and error responses.
 
@@ -206,6 +247,8 @@ class WireCodec:
         self._pb = pb
         self._sampling_params = sampling_params
         self._sampling_fields = {f.name for f in dataclasses.fields(sampling_params)}
+        guided = "guided_decoding" in self._sampling_fields
+        self._guided_params = guided_params_class(sampling_params) if guided else None
         self._engine_kind = engine_kind
         self._max_prompt_bytes = max_prompt_bytes
         self._decoupled = decoupled
@@ -222,6 +265,10 @@ class WireCodec:
             )
         prompt = self._prompt(request)
         kwargs = self._sampling_kwargs(request)
+        guide = guided_decoding(self._text(request, GUIDE_TYPE_INPUT), self._text(request, GUIDE_INPUT),
+                                self._guided_params, self._engine_kind)  # fmt: skip
+        if guide is not None:
+            kwargs["guided_decoding"] = guide
         flags = self._flags(request)
         implied = bool(flags.get("return_cumulative_logprob")) and kwargs.get("logprobs") is None
         if implied:
@@ -245,6 +292,15 @@ class WireCodec:
     def _read(self, request: Any, name: str) -> Any:
         tensor = self._pb.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
+
+    def _text(self, request: Any, name: str) -> str | None:
+        """A one-string input as text (None when absent)."""
+        value = self._read(request, name)
+        if value is None:
+            return None
+        if value.size != 1:
+            raise RequestInputError(f"{name} must hold exactly one string, got {value.size}", field=name)
+        return decode_text(value.reshape(-1)[0], name)
 
     def _prompt(self, request: Any) -> str:
         """text_input: exactly one string, its raw size bounded before it is decoded or tokenized."""
