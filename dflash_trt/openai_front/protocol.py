@@ -15,8 +15,19 @@ Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_
 `ignore_eos`, `min_tokens`, `repetition_penalty`, `min_p`, `stream_options.continuous_usage_stats` (usage
 on every chunk), `chat_template_kwargs`, log-probabilities (completions' `logprobs: 0..5`, chat's
 `logprobs: true` with `top_logprobs: 0..20`; not streamed yet). Refused with 400: `n>1`, `best_of>1`,
-`logprobs` with `stream`, `echo`, `suffix`, tools/functions, `response_format` other than text, non-text content, token-id prompts,
+`logprobs` with `stream`, `echo`, `suffix`, `functions`, tools on completions, `response_format` other than text, non-text content, token-id prompts,
 and any key not listed here.
+
+Chat also serves tools and reasoning (`_tools`, `_reasoning_effort`, `_message`): `tools` (functions
+with name, description and a JSON-schema `parameters`), `tool_choice` (`none`, `auto` (the default
+with tools), `required`, or `{"type": "function", "function": {"name": ...}}` naming one of them),
+`parallel_tool_calls`, `reasoning_effort` (low / medium / high: the template's `reasoning_effort`),
+assistant messages with `tool_calls` (content may be null) and `reasoning_content`, and `tool`
+messages with `tool_call_id`. A required or named choice becomes a guide (parsers/guides.py) and is
+refused next to a JSON response_format. The answer is read by the template's parser (parsers/):
+`message.tool_calls` with `finish_reason: "tool_calls"`, `message.reasoning_content` (vLLM's name)
+when the template reasons; streamed deltas carry `reasoning_content`, `content` and `tool_calls`
+apart. `functions` / `function_call` (the deprecated form) stay refused.
 """
 
 from __future__ import annotations
