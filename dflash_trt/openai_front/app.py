@@ -29,6 +29,9 @@ from aiohttp import web
 from dflash_trt.errors import UsageError
 from dflash_trt.openai_front import protocol as P
 from dflash_trt.openai_front.chat import ChatTemplate
+from dflash_trt.openai_front.parsers import OutputFormat
+from dflash_trt.openai_front.parsers.guides import tool_call_guide
+from dflash_trt.openai_front.parsers.think import opens_thinking
 from dflash_trt.openai_front.upstream import Piece, Upstream
 from dflash_trt.utils.api_key import HTTP_HEADER, ApiKey
 
@@ -159,13 +162,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "fix: use /v1/completions, or start it with the bundle", param="messages", code="chat_template_missing",
         )  # fmt: skip
     assert gen.messages is not None
-    gen.prompt = chat.render(gen.messages, gen.chat_template_kwargs)
+    gen.prompt = chat.render(
+        gen.messages, gen.chat_template_kwargs, gen.tools if gen.tool_choice != "none" else None
+    )
+    _answer_format(gen, chat.format)
     if gen.max_tokens is None and cfg.max_seq_len is not None:
         # OpenAI's chat default: what the context leaves. A prompt that leaves nothing goes as it is
         # (with the model's default max_tokens): the engine refuses it, naming the prompt.
         left = cfg.max_seq_len - chat.count(gen.prompt)
         gen.max_tokens = left if left >= 1 else None
     return await _run(request, gen)
+
+
+def _answer_format(gen: P.Generation, fmt: OutputFormat) -> None:
+    """How the answer is read (a parser per choice, reasoning_content or not), and with a required
+    or named tool choice the guide that forces the call (parsers.guides)."""
+    prompt, tools = gen.prompt or "", bool(gen.tools) and gen.tool_choice != "none"
+    gen.reasons = fmt.reasons
+    gen.parser = lambda: fmt.parser(prompt, tools=tools)
+    if gen.tool_choice in ("required", "function"):
+        functions = [f for f in gen.tools if gen.tool_choice == "required" or f["name"] == gen.tool_name]
+        one = gen.tool_choice == "function" or not gen.parallel_tool_calls
+        gen.guide_type, gen.guide = tool_call_guide(functions, harmony=fmt.harmony, one=one,
+                                                    thinking=fmt.think and opens_thinking(prompt))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- generation
@@ -242,6 +261,8 @@ class _ChoiceStream:
         self.holdback = P.StopHoldback(gen.stop) if gen.stop else None  # Triton then sends accumulated text
         self.rows = 0
         self.chars = 0
+        self.parser = gen.parser() if gen.parser is not None else None  # reasoning and tool calls apart
+        self.called = False  # a tool call went out
 
     def news(self, gen: P.Generation, seq: Any, final: bool, token_text: Any) -> tuple[str, Any]:
         """This response's new text and the logprobs object of its new tokens (None without)."""
@@ -284,7 +305,10 @@ async def _stream(
                 streams.append(_ChoiceStream(gen))
             cs = streams[i]
             text, logprobs = cs.news(gen, seq, piece.final, token_text)
-            if piece.final:
+            if cs.parser is not None:
+                await _parsed(resp, gen, rid, created, cs, text, piece.final, seq.finish_reason, running,
+                              logprobs, P.dflash_stats(out) if piece.final else None, index=i)  # fmt: skip
+            elif piece.final:
                 fr = P.finish_reason(seq.finish_reason) or "stop"
                 await _event(resp, P.chunk(gen, rid, created, text=text, finish=fr, role=cs.role, usage_obj=running,
                                            stats=P.dflash_stats(out), index=i, logprobs=logprobs))  # fmt: skip
@@ -296,6 +320,32 @@ async def _stream(
             break
     if gen.include_usage:
         await _event(resp, P.chunk(gen, rid, created, text=None, usage_obj=P.usage(out), no_choice=True))
+
+
+async def _parsed(
+    resp: web.StreamResponse, gen: P.Generation, rid: str, created: int, cs: _ChoiceStream, text: str,
+    final: bool, finish: str | None, running: Any, logprobs: Any, stats: Any, *, index: int,
+) -> None:  # fmt: skip
+    """A parsed choice's chunks: its reasoning and content, then each tool-call piece in its own chunk
+    (the call's id and name first, then argument fragments), then with the final response a chunk
+    with the finish reason ("tool_calls" when it called tools)."""
+    assert cs.parser is not None
+    delta = cs.parser.feed(text)
+    if final:
+        delta.add(cs.parser.finish())
+    if delta.reasoning or delta.content or cs.role or logprobs is not None:
+        await _event(resp, P.chunk(gen, rid, created, text=delta.content or None, reasoning=delta.reasoning,
+                                   role=cs.role, usage_obj=running, index=index, logprobs=logprobs))  # fmt: skip
+        cs.role = False
+    for call in delta.tool_calls:
+        cs.called = True
+        await _event(resp, P.chunk(gen, rid, created, text=None, tool_calls=[call.body()], usage_obj=running,
+                                   index=index))  # fmt: skip
+    if final:
+        fr = P.finish_reason(finish) or "stop"
+        fr = "tool_calls" if cs.called and fr == "stop" else fr
+        await _event(resp, P.chunk(gen, rid, created, text=None, finish=fr, usage_obj=running, stats=stats,
+                                   index=index))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- app

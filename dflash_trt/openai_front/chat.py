@@ -3,7 +3,9 @@
 
 The model tokenises text prompts without adding special tokens again, so the rendered template
 (which carries its own BOS / role markers) reaches the engine exactly as `dflash-trt generate
---chat` builds it. The tokenizer is used for nothing else but counting the rendered prompt when a
+--chat` builds it. The template's text also tells how its model writes reasoning and tool calls
+(`parsers.OutputFormat`): a template that takes `tools` gets them (apply_chat_template's `tools`),
+any other gets the conversation in the Hermes convention (tool_prompt.hermes_messages). The tokenizer is used for nothing else but counting the rendered prompt when a
 chat request leaves out max_tokens (the default is what the context leaves).
 """
 
@@ -17,7 +19,9 @@ import yaml
 
 from dflash_trt.bundle import bundle_path
 from dflash_trt.errors import UsageError
+from dflash_trt.openai_front.parsers import OutputFormat
 from dflash_trt.openai_front.protocol import OpenAIError
+from dflash_trt.openai_front.tool_prompt import hermes_messages
 
 
 def tokenizer_source(bundle: Path, manifest: dict[str, Any]) -> str:
@@ -41,7 +45,10 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any, source: str) -> None:
         self.tokenizer = tokenizer
         self.source = source
-        self.available = bool(getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.available = bool(template)
+        text = "\n".join(template.values()) if isinstance(template, dict) else template
+        self.format = OutputFormat.of(text if isinstance(text, str) else None)
 
     @classmethod
     def load(cls, source: str) -> ChatTemplate:
@@ -66,7 +73,13 @@ class ChatTemplate:
                 chat.render([{"role": "user", "content": "warm-up"}], {})
         return chat
 
-    def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text; `tools`: the functions offered ({name, description, parameters})."""
         if not self.available:
             raise OpenAIError(
                 f"the served model's tokenizer ({self.source}) has no chat template; fix: use /v1/completions, "
@@ -74,9 +87,19 @@ class ChatTemplate:
                 param="messages",
                 code="chat_template_missing",
             )
+        extra: dict[str, Any] = {}
+        if self.format.renders_tools:
+            if tools:
+                extra["tools"] = [{"type": "function", "function": f} for f in tools]
+        elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages = hermes_messages(messages, tools or [])
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **{"enable_thinking": False, **kwargs}
+                messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                **{"enable_thinking": False, **kwargs},
+                **extra,
             )
         except Exception as exc:  # jinja's raise_exception (e.g. "roles must alternate") or a bad kwarg
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -18,8 +18,19 @@ on every chunk), `chat_template_kwargs`, log-probabilities (completions' `logpro
 (`_structured`): `response_format` (text, json_object, json_schema), vLLM's `structured_outputs` (json,
 regex, choice, grammar, json_object, structural_tag) and its older `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar`, one guide per request. Refused with 400: `n>1`, `best_of>1`,
-`logprobs` with `stream`, `echo`, `suffix`, tools/functions, non-text content, token-id prompts,
+`logprobs` with `stream`, `echo`, `suffix`, `functions`, tools on completions, non-text content, token-id prompts,
 and any key not listed here.
+
+Chat also serves tools and reasoning (`_tools`, `_reasoning_effort`, `_message`): `tools` (functions
+with name, description and a JSON-schema `parameters`), `tool_choice` (`none`, `auto` (the default
+with tools), `required`, or `{"type": "function", "function": {"name": ...}}` naming one of them),
+`parallel_tool_calls`, `reasoning_effort` (low / medium / high: the template's `reasoning_effort`),
+assistant messages with `tool_calls` (content may be null) and `reasoning_content`, and `tool`
+messages with `tool_call_id`. A required or named choice becomes a guide (parsers/guides.py) and is
+refused next to a JSON response_format. The answer is read by the template's parser (parsers/):
+`message.tool_calls` with `finish_reason: "tool_calls"`, `message.reasoning_content` (vLLM's name)
+when the template reasons; streamed deltas carry `reasoning_content`, `content` and `tool_calls`
+apart. `functions` / `function_call` (the deprecated form) stay refused.
 """
 
 from __future__ import annotations
@@ -27,10 +38,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_trt.openai_front import guides
+from dflash_trt.openai_front.parsers import OutputParser, collect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 INT32 = (-(2**31), 2**31 - 1)  # what an INT32 Triton input carries
@@ -115,6 +128,16 @@ class Generation:
     guide_type: str | None = None
     guide: str = ""
     guide_param: str = "response_format"  # the request field the guide came from (errors name it)
+    # chat's tools: the offered functions ({name, description, parameters}), the choice ("none",
+    # "auto", "required" or "function": then tool_name), and whether several calls may come at once
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = "none"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    # chat: a fresh output parser per choice (parsers.OutputFormat.parser; None: all text is content),
+    # and whether answers carry reasoning_content (the template reasons)
+    parser: Callable[[], OutputParser | None] | None = None
+    reasons: bool = False
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -140,18 +163,20 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
 _WHY = {
     "echo": ("echo is a /v1/completions field", "omit echo"),
     "suffix": ("insertion (suffix) is not supported", "omit suffix"),
-    "tools": ("tool calling is not supported", "omit tools"),
+    "tools": ("tool calling is a /v1/chat/completions field", "omit tools"),
     "functions": ("function calling is not supported", "omit functions"),
-    "tool_choice": ("tool calling is not supported", "omit tool_choice"),
+    "tool_choice": ("tool calling is a /v1/chat/completions field", "omit tool_choice"),
     "function_call": ("function calling is not supported", "omit function_call"),
-    "parallel_tool_calls": ("tool calling is not supported", "omit parallel_tool_calls"),
+    "parallel_tool_calls": ("tool calling is a /v1/chat/completions field", "omit parallel_tool_calls"),
     "audio": ("audio output is not supported", "omit audio"),
     "modalities": ("only text output is supported", 'omit modalities or send ["text"]'),
     "prediction": ("predicted outputs are not supported", "omit prediction"),
     "web_search_options": ("web search is not supported", "omit web_search_options"),
-    "reasoning_effort": ("reasoning effort is not configurable", "omit it; use chat_template_kwargs"),
+    "reasoning_effort": ("reasoning_effort is a /v1/chat/completions field", "omit reasoning_effort"),
     "store": ("stored completions are not supported", "omit store or send false"),
 }
+# Served on chat only (refused on completions, as _OFF_ONLY says).
+_CHAT_SERVED = frozenset({"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"})
 # Accepted and ignored: they do not change what is generated.
 _IGNORED = frozenset({"user", "metadata", "service_tier", "stream_options"})
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
@@ -172,7 +197,6 @@ _CHAT_KEYS = (
     | _IGNORED
     | _GUIDE_KEYS
 )
-_ROLES = ("system", "developer", "user", "assistant")
 
 
 def _check_keys(body: dict[str, Any], allowed: frozenset[str] | set[str], endpoint: str) -> None:
@@ -182,6 +206,8 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str] | set[str], endpoi
     for key, ok in _OFF_ONLY.items():
         if key == "echo" and endpoint == "/v1/completions":
             continue  # served there (parse_completions)
+        if key in _CHAT_SERVED and endpoint == "/v1/chat/completions":
+            continue  # served there (_tools, _reasoning_effort)
         if key in body and body[key] not in ok and not (key == "modalities" and body[key] == ["text"]):
             problem, fix = _WHY[key]
             raise bad(key, body[key], problem, fix)
@@ -362,6 +388,9 @@ def echo_logprobs(gen: Generation, o: Outcome, choice: Choice, token_text: Any) 
 
 # ------------------------------------------------------------------------------ structured outputs
 # vLLM's structured_outputs keys (each one guide) and the older top-level guided_* fields
+# OpenAI's and vLLM's json_object: a JSON object (the Triton model's "json" guide allows any JSON value,
+# TensorRT-LLM's rule)
+ANY_OBJECT = '{"type": "object"}'
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _GUIDED = {
     "guided_json": "json",
@@ -405,7 +434,7 @@ def _structured(body: dict[str, Any], gen: Generation) -> None:
     if not found:
         return
     param, value, kind, text = found[0]
-    error = guides.compile_error(kind, text)
+    error = guides.compile_error(kind, text) if text != ANY_OBJECT else None  # ours compiles: no import
     if error is not None:
         raise bad(param, value, f"does not compile: {error}", _FIXES[kind])
     gen.guide_param, gen.guide_type, gen.guide = param, kind, text
@@ -425,7 +454,7 @@ def _response_format(fmt: Any) -> list[_Guide]:
     if kind == "text":
         return []
     if kind == "json_object":
-        return [("response_format", fmt, "json", "")]
+        return [("response_format", fmt, "json_schema", ANY_OBJECT)]
     return [_json_schema(fmt.get("json_schema"))]
 
 
@@ -472,7 +501,7 @@ def _guide(param: str, key: str, value: Any) -> _Guide:
     if key == "json_object":
         if value is not True:
             raise bad(param, value, "must be true", "send true for any JSON object, or omit it")
-        return param, value, "json", ""
+        return param, value, "json_schema", ANY_OBJECT
     if key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise bad(param, value, "must be a non-empty list of strings", 'send e.g. ["yes", "no"]')
@@ -556,6 +585,8 @@ def parse_chat(body: Any, served: list[str]) -> Generation:
             key = sorted(reserved)[0]
             raise bad(f"chat_template_kwargs.{key}", kwargs[key], "is set by the server", f"remove {key}")
         gen.chat_template_kwargs = dict(kwargs)
+    _tools(body, gen)
+    _reasoning_effort(body, gen)
     a, b = body.get("max_tokens"), body.get("max_completion_tokens")
     if a is not None and b is not None and a != b:
         raise bad("max_completion_tokens", b, f"differs from max_tokens={a}", "send only one of the two")
@@ -573,40 +604,201 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", messages, "is required (a non-empty list)",
                   'send e.g. [{"role": "user", "content": "Hi"}]')  # fmt: skip
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(
-                where, m, "must be an object with role and content", 'send {"role": "user", "content": "..."}'
-            )
-        role = m.get("role")
-        if role not in _ROLES:
-            why = "tool messages need tool calling, which is not supported" if role in ("tool", "function") else \
-                f"role must be one of {', '.join(_ROLES)}"  # fmt: skip
-            raise bad(f"{where}.role", role, why, "send a system, user or assistant message")
-        for key in m:
-            if key not in ("role", "content", "name"):
-                raise bad(f"{where}.{key}", m[key], "is not supported", f"remove {key}")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise bad(f"{where}.content[{j}]", part, "only text parts are supported",
-                              'send {"type": "text", "text": "..."}')  # fmt: skip
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad(
-                f"{where}.content", content, "must be a string or a list of text parts", "send text content"
-            )
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return [_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
+
+
+# per role, the keys a message may carry besides role and content
+_MESSAGE_KEYS = {"system": ("name",), "developer": ("name",), "user": ("name",),
+                 "assistant": ("name", "tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}  # fmt: skip
+
+
+def _message(where: str, m: Any) -> dict[str, Any]:
+    """One message as the chat template takes it: text content; an assistant's tool calls (their
+    arguments as objects, as Hugging Face templates read them); a tool result's call id."""
+    if not isinstance(m, dict):
+        raise bad(
+            where, m, "must be an object with role and content", 'send {"role": "user", "content": "..."}'
+        )
+    role = m.get("role")
+    if role not in _MESSAGE_KEYS:
+        fix = "send a system, user, assistant or tool message"
+        raise bad(f"{where}.role", role, f"role must be one of {', '.join(_MESSAGE_KEYS)}", fix)
+    for key in m:
+        if key != "role" and key != "content" and key not in _MESSAGE_KEYS[role]:
+            raise bad(f"{where}.{key}", m[key], f"is not supported on a {role} message", f"remove {key}")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _message_calls(f"{where}.tool_calls", m["tool_calls"])
+        out["content"] = "" if m.get("content") is None else _text(f"{where}.content", m["content"])
+    else:
+        out["content"] = _text(f"{where}.content", m.get("content"))
+    if role == "tool":
+        call = m.get("tool_call_id")
+        if not isinstance(call, str) or not call:
+            raise bad(f"{where}.tool_call_id", call, "is required on a tool message (a string)",
+                      "send the id of the tool call this message answers")  # fmt: skip
+        out["tool_call_id"] = call
+    for key in ("name", "reasoning_content"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise bad(f"{where}.{key}", m[key], "must be a string", f"send {key} as a string, or omit it")
+    if m.get("reasoning_content") is not None:
+        out["reasoning_content"] = m["reasoning_content"]  # Qwen3's template reads it
+    if role == "tool" and m.get("name") is not None:
+        out["name"] = m["name"]  # a tool result's function (a user's name is not rendered)
     return out
+
+
+def _text(where: str, content: Any) -> str:
+    """A message's content: a string or a list of text parts."""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad(f"{where}[{j}]", part, "only text parts are supported",
+                          'send {"type": "text", "text": "..."}')  # fmt: skip
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise bad(where, content, "must be a string or a list of text parts", "send text content")
+    return content
+
+
+def _message_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}]."""
+    fix = 'send [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]'
+    if not isinstance(calls, list):
+        raise bad(where, calls, "must be a list of tool calls", fix)
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or c.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise bad(f"{where}[{i}]", c, "must be a function call with a name", fix)
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise bad(f"{where}[{i}].function.arguments", args, "must be a string (JSON text)", fix)
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = args  # what the model wrote, kept as text
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": parsed}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- tools
+_CHOICES = ("none", "auto", "required")
+_EFFORTS = ("low", "medium", "high")
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+_TOOL_FIX = (
+    'send [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]'
+)
+
+
+def _tools(body: dict[str, Any], gen: Generation) -> None:
+    """tools, tool_choice and parallel_tool_calls (chat)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    gen.parallel_tool_calls = (
+        True if body.get("parallel_tool_calls") is None else _bool(body, "parallel_tool_calls")
+    )
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", choice, "needs tools to choose from", "send tools, or omit tool_choice")
+        return
+    if not isinstance(tools, list) or not tools:
+        raise bad("tools", tools, "must be a non-empty list of functions", _TOOL_FIX)
+    gen.tools = [_function(f"tools[{i}]", t) for i, t in enumerate(tools)]
+    names = [f["name"] for f in gen.tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise bad(
+                f"tools[{i}].function.name", name, "names a function twice", "give each function its own name"
+            )
+    gen.tool_choice, gen.tool_name = _tool_choice(choice, names)
+    fmt = body.get("response_format")
+    if gen.tool_choice in ("required", "function") and isinstance(fmt, dict) and fmt.get("type") != "text":
+        raise bad("tool_choice", choice, f"forces a tool call, which a {fmt.get('type')} response_format forbids",
+                  'send tool_choice "auto", or omit response_format')  # fmt: skip
+
+
+def _function(where: str, tool: Any) -> dict[str, Any]:
+    """One offered tool: {"type": "function", "function": {name, description, parameters}}."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+        raise bad(
+            where,
+            tool,
+            'must be {"type": "function", "function": {...}} (only functions are served)',
+            _TOOL_FIX,
+        )
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function", fn, "must be an object with name and parameters", _TOOL_FIX)
+    for key in fn:
+        if key not in _FUNCTION_KEYS:
+            raise bad(f"{where}.function.{key}", fn[key], "is not a function field", f"remove {key}")
+    name = fn.get("name")
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 64
+        or not all(c.isalnum() or c in "_-." for c in name)
+    ):
+        raise bad(f"{where}.function.name", name, "must be 1 to 64 letters, digits, _, - or .",
+                  'send e.g. "get_weather"')  # fmt: skip
+    out: dict[str, Any] = {"name": name}
+    if fn.get("description") is not None:
+        if not isinstance(fn["description"], str):
+            raise bad(f"{where}.function.description", fn["description"], "must be a string", "send text")
+        out["description"] = fn["description"]
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise bad(f"{where}.function.parameters", params, "must be a JSON schema object",
+                  'send e.g. {"type": "object", "properties": {"city": {"type": "string"}}}')  # fmt: skip
+    out["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    return out
+
+
+def _tool_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
+    """("none" | "auto" (the default with tools) | "required", None), or ("function", its name)."""
+    if choice is None:
+        return "auto", None
+    if choice in _CHOICES:
+        return str(choice), None
+    fix = f'send "none", "auto", "required" or {{"type": "function", "function": {{"name": "{names[0]}"}}}}'
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(choice.get("function"), dict)
+    ):
+        raise bad("tool_choice", choice, "is not a tool choice", fix)
+    name = choice["function"].get("name")
+    if name not in names:
+        raise bad("tool_choice.function.name", name, "names no function in tools",
+                  f"send one of {', '.join(names)}")  # fmt: skip
+    return "function", name
+
+
+def _reasoning_effort(body: dict[str, Any], gen: Generation) -> None:
+    """reasoning_effort: the chat template's `reasoning_effort` (gpt-oss's template reads it)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return
+    if effort not in _EFFORTS:
+        raise bad("reasoning_effort", effort, "is not a reasoning effort", "send low, medium or high")
+    kwarg = gen.chat_template_kwargs.get("reasoning_effort", effort)
+    if kwarg != effort:
+        raise bad("reasoning_effort", effort, f"differs from chat_template_kwargs.reasoning_effort={kwarg!r}",
+                  "send only one of the two")  # fmt: skip
+    gen.chat_template_kwargs["reasoning_effort"] = effort
 
 
 class StopHoldback:
@@ -708,7 +900,7 @@ def full_response(
         else:
             logprobs = logprobs_body(gen, ch.logprobs, name)
         if gen.kind == "chat":
-            message = {"role": "assistant", "content": ch.text, "refusal": None}
+            message, fr = chat_message(gen, ch.text, fr)
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": fr})
         else:
             choices.append({"index": i, "text": ch.text, "logprobs": logprobs, "finish_reason": fr})
@@ -724,12 +916,26 @@ def full_response(
     }
 
 
+def chat_message(gen: Generation, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    """A chat choice's message ({role, content, refusal}; with a parser also tool_calls and
+    reasoning_content) and its finish reason ("tool_calls" when the answer called tools)."""
+    parser = gen.parser() if gen.parser is not None else None
+    if parser is None:
+        return {"role": "assistant", "content": text, "refusal": None}, finish
+    parsed = collect(parser, text)
+    if parsed.tool_calls and finish == "stop":
+        finish = "tool_calls"
+    return {"role": "assistant", **parsed.message_fields(reasons=gen.reasons), "refusal": None}, finish
+
+
 def chunk(
     gen: Generation, rid: str, created: int, *, text: str | None, finish: str | None = None,
     role: bool = False, usage_obj: dict[str, Any] | None = None, stats: dict[str, Any] | None = None,
-    no_choice: bool = False, index: int = 0, logprobs: Any = None,
+    no_choice: bool = False, index: int = 0, logprobs: Any = None, reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk of choice `index`. `no_choice`: the final usage-only chunk (choices = [])."""
+    """One streamed chunk of choice `index`. `no_choice`: the final usage-only chunk (choices = []).
+    Chat's delta carries `reasoning` as reasoning_content and `tool_calls` (ToolCallDelta.body()s)."""
     obj = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
     choices: list[dict[str, Any]] = []
     if not no_choice:
@@ -737,8 +943,12 @@ def chunk(
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choices.append({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         else:
             choices.append(

@@ -229,12 +229,16 @@ BAD_CHAT = [
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]},
+        "tools[0].function.name",
+    ),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"max_tokens": None, "max_completion_tokens": 5000}, "max_completion_tokens"),  # the engine's limit
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages[0].content[0]",

@@ -30,7 +30,7 @@ def _completions(**body):
 
 
 ACCEPTED = [  # (body fields, guide type, guide text (None: checked apart), the field errors name)
-    ({"response_format": {"type": "json_object"}}, "json", "", "response_format"),
+    ({"response_format": {"type": "json_object"}}, "json_schema", P.ANY_OBJECT, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True,
                                                                  "description": "d"}}},
      "json_schema", json.dumps(SCHEMA), "response_format.json_schema.schema"),
@@ -41,7 +41,7 @@ ACCEPTED = [  # (body fields, guide type, guide text (None: checked apart), the 
     ({"structured_outputs": {"grammar": GRAMMAR}}, "ebnf_grammar", GRAMMAR, "structured_outputs.grammar"),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, "ebnf_grammar", 'root ::= "yes" | "no"',
      "structured_outputs.choice"),
-    ({"structured_outputs": {"json_object": True}}, "json", "", "structured_outputs.json_object"),
+    ({"structured_outputs": {"json_object": True}}, "json_schema", P.ANY_OBJECT, "structured_outputs.json_object"),
     ({"structured_outputs": {"structural_tag": TAG}}, "structural_tag", TAG, "structured_outputs.structural_tag"),
     ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA), "guided_json"),
     ({"guided_regex": "a+"}, "regex", "a+", "guided_regex"),
