@@ -169,14 +169,22 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print(json.dumps(config))
     free, guided = r["free"], r["json_schema"]
     for kind, s in (("free", free), ("json_schema", guided)):
-        print(f"{kind:12s} tau {s['tau']:.2f}  {s['tok_per_s']:.1f} tok/s  {s['ms_per_round']:.2f} ms/round"
-              + (f"  (guides' host work {s['host_ms_per_round']:.2f} ms/round)" if "host_ms_per_round" in s else ""))
+        print(
+            f"{kind:12s} tau {s['tau']:.2f}  {s['tok_per_s']:.1f} tok/s  {s['ms_per_round']:.2f} ms/round"
+            + (
+                f"  (guides' host work {s['host_ms_per_round']:.2f} ms/round)"
+                if "host_ms_per_round" in s
+                else ""
+            )
+        )
     print(f"tau ratio (json_schema / free): {guided['tau'] / free['tau']:.3f}   (goal >= 0.9)")
     print(f"round cost ratio (json_schema / free, ms per round): {guided['ms_per_round'] / free['ms_per_round']:.3f}"
           f"   guides' own work: {(free['ms_per_round'] + guided['host_ms_per_round']) / free['ms_per_round']:.3f}"
           "   (goal <= 1.15)")  # fmt: skip
-    print(f"valid answers: {r['valid_of_ended']}/{r['ended_by_guide']} that ended at the guide's end "
-          f"({r['answers']} answers; the others hit max_tokens)")
+    print(
+        f"valid answers: {r['valid_of_ended']}/{r['ended_by_guide']} that ended at the guide's end "
+        f"({r['answers']} answers; the others hit max_tokens)"
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"config": config, **r}, indent=2) + "\n")

@@ -662,3 +662,52 @@ def test_the_charts_helm_test_script_passes_against_the_front(served) -> None:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert '"completion_tokens"' in run.stdout
+
+
+# --- structured outputs, served (issue #45) ----------------------------------------------------------
+# Prompts no other test of this module sends (no prefix-cache hit changes their prompts' numerics).
+GUIDED_CASES = [  # (prompt, request fields, a check of the answer)
+    ("# Settings for the parser, as JSON:\n",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "cfg", "strict": True, "schema": {
+         "type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "depth": {"type": "integer",
+         "minimum": 0, "maximum": 99}}, "required": ["name", "depth"], "additionalProperties": False}}}},
+     lambda t: set(json.loads(t)) == {"name", "depth"}),
+    ("# A Python keyword that starts a loop: ",
+     {"structured_outputs": {"choice": ["for", "while", "with"]}}, lambda t: t in ("for", "while", "with")),
+    ("# The signature of the helper:\n",
+     {"structured_outputs": {"regex": r"def [a-z_]{1,12}\(self\):"}},
+     lambda t: t.startswith("def ") and t.endswith("(self):")),
+    ("# A JSON object describing a file:\n", {"response_format": {"type": "json_object"}},
+     lambda t: isinstance(json.loads(t), dict)),
+]  # fmt: skip
+
+
+def _plain_guided(prompt: str, guide: tuple[str, str]) -> str:
+    """Greedy plain decoding (no drafter) in this process under the same guide."""
+    from dflash_trt import LLM, GuidedDecodingParams, SamplingParams
+
+    kind, text = guide
+    field = {"json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}[kind]
+    with LLM("tiny", compile=False, guided_decoding_backend="xgrammar") as llm:
+        sp = SamplingParams(
+            max_tokens=64, temperature=0, guided_decoding=GuidedDecodingParams(**{field: text})
+        )
+        return llm.generate(prompt, sp).outputs[0].text
+
+
+@pytest.mark.parametrize("case", range(len(GUIDED_CASES)))
+def test_structured_outputs_served_equal_plain_guided_decoding(client, case) -> None:
+    from dflash_trt.openai_front import protocol as P
+
+    prompt, fields, check = GUIDED_CASES[case]  # the completions SDK call takes them as extra_body
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=64, temperature=0, extra_body=fields
+    )
+    text = r.choices[0].text
+    assert r.choices[0].finish_reason == "stop" and check(text), text
+    gen = P.parse_completions({"model": "tiny", "prompt": prompt, **fields}, ["tiny"])  # the guide it sent
+    assert text == _plain_guided(prompt, (gen.guide_type, gen.guide))
+    assert r.model_extra["dflash"]["num_rounds"] >= 1
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0, stream=True,
+                                       extra_body=fields)  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text

@@ -62,22 +62,36 @@ def _streamed_calls(chunks) -> tuple[list[dict], str | None, str]:
 
 @pytest.mark.guided
 def test_required_tool_choice_gives_a_call_that_fits_the_schema(client) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       temperature=0, max_tokens=96)  # fmt: skip
-    choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
-    for call in choice.message.tool_calls:
-        args = json.loads(call.function.arguments)
-        assert call.function.name in ("get_weather", "get_time") and isinstance(args["city"], str)
-        assert set(args) <= {"city", "unit"} and call.id.startswith("call_")
+    """One call (parallel_tool_calls false), whole and streamed alike."""
+    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "temperature": 0,
+          "max_tokens": 96, "parallel_tool_calls": False}  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    _check_calls(choice.message.tool_calls)
     assert not choice.message.content
-    chunks = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                            temperature=0, max_tokens=96, stream=True)  # fmt: skip
-    calls, finish, content = _streamed_calls(chunks)
+    calls, finish, content = _streamed_calls(client.chat.completions.create(**kw, stream=True))
     assert finish == "tool_calls" and not content
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         (t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls
     ]
+
+
+@pytest.mark.guided
+def test_required_parallel_calls_each_fit_the_schema(client) -> None:
+    """Parallel calls allowed: however many the model makes (a 135M model repeats its call), every complete
+    call's arguments validate."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       temperature=0, max_tokens=160)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.message.tool_calls and choice.finish_reason in ("tool_calls", "length"), choice
+    _check_calls(choice.message.tool_calls)
+
+
+def _check_calls(calls) -> None:
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time") and isinstance(args["city"], str)
+        assert set(args) <= {"city", "unit"} and call.id.startswith("call_")
 
 
 @pytest.mark.guided
