@@ -72,7 +72,8 @@ class HostTimer:
     """Seconds spent in the guides' host work (engine/grammar.py's GuidedRound and mask_logits)."""
 
     def __init__(self) -> None:
-        from dflash_trt.engine import grammar, round as round_mod
+        from dflash_trt.engine import grammar
+        from dflash_trt.engine import round as round_mod
 
         self.seconds = 0.0
         for owner, name in ((grammar.GuidedRound, "chain"), (grammar.GuidedRound, "along"),
