@@ -180,6 +180,7 @@ def _answer_format(gen: P.Generation, fmt: OutputFormat) -> None:
     prompt, tools = gen.prompt or "", bool(gen.tools) and gen.tool_choice != "none"
     gen.reasons = fmt.reasons
     gen.parser = lambda: fmt.parser(prompt, tools=tools)
+    gen.keep_special_tokens = fmt.harmony  # its markers are special tokens: the model must send them
     if gen.tool_choice in ("required", "function"):
         functions = [f for f in gen.tools if gen.tool_choice == "required" or f["name"] == gen.tool_name]
         one = gen.tool_choice == "function" or not gen.parallel_tool_calls

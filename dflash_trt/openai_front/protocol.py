@@ -138,6 +138,7 @@ class Generation:
     # and whether answers carry reasoning_content (the template reasons)
     parser: Callable[[], OutputParser | None] | None = None
     reasons: bool = False
+    keep_special_tokens: bool = False  # the parser reads special tokens (harmony's markers) in the text
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False

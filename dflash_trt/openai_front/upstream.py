@@ -213,6 +213,8 @@ class Upstream:
             values.append(("sampling_param_stop", "BYTES", [s.encode("utf-8") for s in gen.stop]))
         if gen.bad_words:
             values.append(("sampling_param_bad", "BYTES", [w.encode("utf-8") for w in gen.bad_words]))
+        if gen.keep_special_tokens:
+            values.append(("sampling_param_skip_special_tokens", "BOOL", [False]))
         if gen.guide_type is not None:  # TensorRT-LLM's guided-decoding inputs
             values.append(("guided_decoding_guide_type", "BYTES", [gen.guide_type.encode("utf-8")]))
             values.append(("guided_decoding_guide", "BYTES", [gen.guide.encode("utf-8")]))

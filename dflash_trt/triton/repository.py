@@ -76,6 +76,8 @@ INPUTS: tuple[Port, ...] = (
     Port("sampling_param_prompt_logprobs", "TYPE_INT32", (1,), ours=True),  # k: score the prompt
     Port("sampling_param_bad", "TYPE_STRING", (-1,), ours=True),  # words never generated
     Port("sampling_param_bad_token_ids", "TYPE_INT32", (-1,), ours=True),
+    # false keeps special tokens in text_output (gpt-oss harmony markers, which the OpenAI front parses)
+    Port("sampling_param_skip_special_tokens", "TYPE_BOOL", (1,), ours=True),
     Port("streaming_delta", "TYPE_BOOL", (1,), ours=True),
 )
 

@@ -108,6 +108,14 @@ def test_the_codec_reads_the_wire_into_a_request():
                                        return_perf_metrics=True)  # fmt: skip
 
 
+def test_skip_special_tokens_false_keeps_special_tokens():
+    """The OpenAI front sends it for harmony templates (their channel markers are special tokens)."""
+    wire = WireCodec(fake_pb(), sampling_params=SamplingParams, engine_kind="dflash_trt", max_prompt_bytes=64,
+                     decoupled=True)  # fmt: skip
+    parsed = wire.parse(request({"text_input": [b"a"], "sampling_param_skip_special_tokens": np.bool_([False])}))
+    assert parsed.sampling.skip_special_tokens is False
+
+
 @pytest.mark.parametrize(
     ("inputs", "field", "match"),
     [

@@ -325,3 +325,20 @@ def test_guide_for_the_harmony_format_uses_its_tokens() -> None:
         and '"token": "<|constrain|>"' in text
         and "commentary to=functions.f " in text
     )
+
+
+def test_a_harmony_template_asks_the_model_to_keep_special_tokens() -> None:
+    """gpt-oss's channel markers are special tokens: the front asks Triton for them
+    (sampling_param_skip_special_tokens false), and for no other template."""
+    from dflash_trt.openai_front import app
+    from dflash_trt.openai_front.parsers import OutputFormat
+    from dflash_trt.openai_front.upstream import Upstream
+
+    for template, keep in (("<|start|>{{ m }}<|channel|>final<|message|>", True), ("<|im_start|>{{ m }}", False)):
+        gen = P.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}, ["m"])
+        gen.prompt = "x"
+        app._answer_format(gen, OutputFormat.of(template))
+        names = {i.name(): i for i in Upstream._inputs(None, gen)}  # type: ignore[arg-type]
+        assert ("sampling_param_skip_special_tokens" in names) is keep
+        if keep:
+            assert names["sampling_param_skip_special_tokens"].datatype() == "BOOL"

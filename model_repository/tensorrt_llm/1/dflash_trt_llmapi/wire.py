@@ -60,6 +60,7 @@ SAMPLING_INPUTS = {
     "sampling_param_prompt_logprobs": "prompt_logprobs",  # k: score the prompt (max_tokens may be 0)
     "sampling_param_bad": "bad",  # words never generated (TensorRT-LLM's SamplingParams.bad)
     "sampling_param_bad_token_ids": "bad_token_ids",
+    "sampling_param_skip_special_tokens": "skip_special_tokens",  # false: harmony markers stay in the text
 }
 LIST_FIELDS = {"stop", "stop_token_ids", "bad", "bad_token_ids"}
 # Guided decoding: NVIDIA's inputs (its inflight_batcher_llm model's names), read into the engine's
