@@ -112,7 +112,9 @@ def test_skip_special_tokens_false_keeps_special_tokens():
     """The OpenAI front sends it for harmony templates (their channel markers are special tokens)."""
     wire = WireCodec(fake_pb(), sampling_params=SamplingParams, engine_kind="dflash_trt", max_prompt_bytes=64,
                      decoupled=True)  # fmt: skip
-    parsed = wire.parse(request({"text_input": [b"a"], "sampling_param_skip_special_tokens": np.bool_([False])}))
+    parsed = wire.parse(
+        request({"text_input": [b"a"], "sampling_param_skip_special_tokens": np.bool_([False])})
+    )
     assert parsed.sampling.skip_special_tokens is False
 
 

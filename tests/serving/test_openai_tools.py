@@ -334,7 +334,10 @@ def test_a_harmony_template_asks_the_model_to_keep_special_tokens() -> None:
     from dflash_trt.openai_front.parsers import OutputFormat
     from dflash_trt.openai_front.upstream import Upstream
 
-    for template, keep in (("<|start|>{{ m }}<|channel|>final<|message|>", True), ("<|im_start|>{{ m }}", False)):
+    for template, keep in (
+        ("<|start|>{{ m }}<|channel|>final<|message|>", True),
+        ("<|im_start|>{{ m }}", False),
+    ):
         gen = P.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}, ["m"])
         gen.prompt = "x"
         app._answer_format(gen, OutputFormat.of(template))
