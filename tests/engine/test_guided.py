@@ -180,16 +180,18 @@ def exact_masked(target, tok, prompt, temperature, regex, steps):
     return probs
 
 
-def test_sampled_guided_dflash_keeps_the_masked_distribution(tmp_path):
-    """1,500 seeds of one prompt, prefill token + one round of 2 drafts: the outputs are distributed as
-    the target's distribution masked by the guide at every position."""
+@pytest.mark.parametrize("tree", [0, 4])
+def test_sampled_guided_dflash_keeps_the_masked_distribution(tmp_path, tree):
+    """1,500 seeds of one prompt, prefill token + one round of 2 drafts (linear, or a DDTree of 4 nodes):
+    the outputs are distributed as the target's distribution masked by the guide at every position."""
     target = make_target("qwen3", seed=5, vocab=5, layers=4)
     target.save_pretrained(tmp_path / "target")
     save_drafter(make_drafter(target, block_size=3, std=0.6, seed=3), tmp_path / "drafter")
     tok = letters_tokenizer()
     engine = build_engine(
-        target_dir=tmp_path / "target", drafter_dir=tmp_path / "drafter", spec=DFlashDecodingConfig(max_draft_len=2),
-        tokenizer=tok, config=EngineConfig(max_batch_size=64, max_seq_len=16, static_rounds=True, compile=False,
+        target_dir=tmp_path / "target", drafter_dir=tmp_path / "drafter",
+        spec=DFlashDecodingConfig(max_draft_len=2, tree_budget=tree),
+        tokenizer=tok, config=EngineConfig(max_batch_size=64, max_seq_len=16, static_rounds=not tree, compile=False,
                                            guided_decoding_backend="xgrammar"),
         device=torch.device("cpu"), dtype=torch.float32, eos_token_ids=(4,),
     )  # fmt: skip
