@@ -191,64 +191,11 @@ class Upstream:
             return False
 
     def _inputs(self, gen: Generation) -> list[Any]:
-        values: list[tuple[str, str, Any]] = [
-            ("text_input", "BYTES", [(gen.prompt or "").encode("utf-8")]),
-            ("streaming", "BOOL", [gen.stream]),
-            ("sampling_param_return_perf_metrics", "BOOL", [True]),
-            ("return_finish_reason", "BOOL", [True]),
-        ]
-        if gen.max_tokens is not None:  # else the model's default (SamplingParams.max_tokens)
-            values.append(("sampling_param_max_tokens", "INT32", [gen.max_tokens]))
-        if gen.stream and not gen.stop:  # with stop strings the front cuts deltas itself (StopHoldback)
-            values.append(("streaming_delta", "BOOL", [True]))
-        if gen.temperature is not None:
-            values.append(("sampling_param_temperature", "FP32", [gen.temperature]))
-        if gen.top_p is not None:
-            values.append(("sampling_param_top_p", "FP32", [gen.top_p]))
-        if gen.top_k is not None:
-            values.append(("sampling_param_top_k", "INT32", [gen.top_k]))
-        if gen.seed is not None:
-            values.append(("sampling_param_seed", "UINT64", [gen.seed]))
-        if gen.stop:
-            values.append(("sampling_param_stop", "BYTES", [s.encode("utf-8") for s in gen.stop]))
-        if gen.bad_words:
-            values.append(("sampling_param_bad", "BYTES", [w.encode("utf-8") for w in gen.bad_words]))
-        if gen.keep_special_tokens:
-            values.append(("sampling_param_skip_special_tokens", "BOOL", [False]))
-        if gen.guide_type is not None:  # TensorRT-LLM's guided-decoding inputs
-            values.append(("guided_decoding_guide_type", "BYTES", [gen.guide_type.encode("utf-8")]))
-            values.append(("guided_decoding_guide", "BYTES", [gen.guide.encode("utf-8")]))
-        if gen.stop_token_ids:
-            values.append(("sampling_param_stop_token_ids", "INT32", gen.stop_token_ids))
-        if gen.ignore_eos:
-            values.append(("sampling_param_ignore_eos", "BOOL", [True]))
-        if gen.min_tokens is not None:
-            values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
-        if gen.logprobs is not None:
-            values.append(("sampling_param_logprobs", "INT32", [gen.logprobs]))
-        if gen.n != 1:
-            values.append(("sampling_param_n", "INT32", [gen.n]))
-        if gen.best_of is not None:
-            values.append(("sampling_param_best_of", "INT32", [gen.best_of]))
-        if scores_prompt(gen):
-            values.append(("sampling_param_prompt_logprobs", "INT32", [gen.logprobs or 0]))
-        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
-            if getattr(gen, name) is not None:
-                values.append((f"sampling_param_{name}", "FP32", [getattr(gen, name)]))
-        if gen.logit_bias:  # a JSON object on the wire (the model's sampling_param_logit_bias)
-            bias = json.dumps({str(t): b for t, b in gen.logit_bias.items()})
-            values.append(("sampling_param_logit_bias", "BYTES", [bias.encode("utf-8")]))
-        dtypes = {
-            "BYTES": np.object_,
-            "BOOL": np.bool_,
-            "INT32": np.int32,
-            "FP32": np.float32,
-            "UINT64": np.uint64,
-        }
+        """The request as the Triton model's input tensors."""
         inputs = []
-        for name, dtype, data in values:
+        for name, dtype, data in [*_core_values(gen), *_sampling_values(gen)]:
             inp = grpcclient.InferInput(name, [len(data)], dtype)
-            inp.set_data_from_numpy(np.array(data, dtype=dtypes[dtype]))
+            inp.set_data_from_numpy(np.array(data, dtype=_DTYPES[dtype]))
             inputs.append(inp)
         return inputs
 
@@ -367,3 +314,55 @@ def _logprobs(values: dict[str, list[Any]], n: int) -> list[list[LogprobRow] | N
         out.append(rows[at : at + length])
         at += length
     return out
+
+
+_DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}
+_Value = tuple[str, str, Any]  # (input name, Triton dtype, values)
+
+
+def _core_values(gen: Generation) -> list[_Value]:
+    """The prompt, streaming, what the response carries, the length, stops and the guide."""
+    values: list[_Value] = [
+        ("text_input", "BYTES", [(gen.prompt or "").encode("utf-8")]),
+        ("streaming", "BOOL", [gen.stream]),
+        ("sampling_param_return_perf_metrics", "BOOL", [True]),
+        ("return_finish_reason", "BOOL", [True]),
+    ]
+    if gen.max_tokens is not None:  # else the model's default (SamplingParams.max_tokens)
+        values.append(("sampling_param_max_tokens", "INT32", [gen.max_tokens]))
+    if gen.stream and not gen.stop:  # with stop strings the front cuts deltas itself (StopHoldback)
+        values.append(("streaming_delta", "BOOL", [True]))
+    if gen.stop:
+        values.append(("sampling_param_stop", "BYTES", [s.encode("utf-8") for s in gen.stop]))
+    if gen.stop_token_ids:
+        values.append(("sampling_param_stop_token_ids", "INT32", gen.stop_token_ids))
+    if gen.ignore_eos:
+        values.append(("sampling_param_ignore_eos", "BOOL", [True]))
+    if gen.min_tokens is not None:
+        values.append(("sampling_param_min_tokens", "INT32", [gen.min_tokens]))
+    if gen.keep_special_tokens:
+        values.append(("sampling_param_skip_special_tokens", "BOOL", [False]))
+    if gen.guide_type is not None:  # TensorRT-LLM's guided-decoding inputs
+        values.append(("guided_decoding_guide_type", "BYTES", [gen.guide_type.encode("utf-8")]))
+        values.append(("guided_decoding_guide", "BYTES", [gen.guide.encode("utf-8")]))
+    return values
+
+
+def _sampling_values(gen: Generation) -> list[_Value]:
+    """Sampling, penalties, bias, bad words, log-probabilities and the number of sequences."""
+    values: list[_Value] = []
+    for name, dtype in (("temperature", "FP32"), ("top_p", "FP32"), ("top_k", "INT32"), ("seed", "UINT64"),
+                        ("logprobs", "INT32"), ("best_of", "INT32"), ("frequency_penalty", "FP32"),
+                        ("presence_penalty", "FP32"), ("repetition_penalty", "FP32"), ("min_p", "FP32")):  # fmt: skip
+        if getattr(gen, name) is not None:
+            values.append((f"sampling_param_{name}", dtype, [getattr(gen, name)]))
+    if gen.bad_words:
+        values.append(("sampling_param_bad", "BYTES", [w.encode("utf-8") for w in gen.bad_words]))
+    if gen.n != 1:
+        values.append(("sampling_param_n", "INT32", [gen.n]))
+    if scores_prompt(gen):
+        values.append(("sampling_param_prompt_logprobs", "INT32", [gen.logprobs or 0]))
+    if gen.logit_bias:  # a JSON object on the wire (the model's sampling_param_logit_bias)
+        bias = json.dumps({str(t): b for t, b in gen.logit_bias.items()})
+        values.append(("sampling_param_logit_bias", "BYTES", [bias.encode("utf-8")]))
+    return values
