@@ -243,9 +243,10 @@ async def _phase_load(client: Any, payload: Any, c: int, args: argparse.Namespac
     from dflash_trt.bench.metrics import RawResult
 
     raws: list[Any] = []
+    running = True
 
     async def stream() -> None:
-        while True:
+        while running:  # not only the cancel: asyncio.wait_for (3.11) can swallow one as a reply lands
             raw = RawResult(index=len(raws))
             raws.append(raw)
             await client.send(payload, raw)
@@ -257,9 +258,12 @@ async def _phase_load(client: Any, payload: Any, c: int, args: argparse.Namespac
     before = _snapshot(roles, srv)
     await asyncio.sleep(args.duration)
     after = _snapshot(roles, srv)
+    running = False
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    _, stuck = await asyncio.wait(tasks, timeout=60)
+    if stuck:
+        raise SystemExit(f"{len(stuck)} of {c} streams did not stop within 60 s of the phase's end")
     return raws, before, after
 
 
@@ -290,6 +294,7 @@ def summarize(raws: list[Any], before: dict[str, Any], after: dict[str, Any]) ->
         "cpu_cores": {role: s / wall for role, s in cpu.items()},
         "cpu_us_per_token": {role: s * 1e6 / tokens if tokens else None for role, s in cpu.items()},
         "total_cpu_us_per_token": sum(cpu.values()) * 1e6 / tokens if tokens else None,
+        "total_cpu_us_per_response": sum(cpu.values()) * 1e6 / responses if responses else None,
     }
 
 
@@ -371,7 +376,8 @@ def _line(row: dict[str, Any]) -> str:
              f"{row['output_tokens_per_s']:.0f}", f"{row['engine_tokens_per_s']:.0f}",
              f"{row['tokens_per_response'] or 0:.2f}",
              *(f"{us[r]:.0f}" if us[r] is not None else "-" for r in ROLES),
-             f"{row['total_cpu_us_per_token'] or 0:.0f}", str(len(row["errors"]))]  # fmt: skip
+             f"{row['total_cpu_us_per_token'] or 0:.0f}", f"{row['total_cpu_us_per_response'] or 0:.0f}",
+             str(len(row["errors"]))]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -383,13 +389,14 @@ def table(result: dict[str, Any]) -> str:
             f"stand-in rounds of {cfg['round_ms']:g} ms, {cfg['osl']} tokens per request, "
             f"{cfg['warmup']:g} s warm-up + {cfg['duration']:g} s measured per row")  # fmt: skip
     cols = ["protocol", "C", "K", "tok/s", "engine tok/s", "tok/resp",
-            *(f"µs/tok {r}" for r in ROLES), "µs/tok total", "errors"]  # fmt: skip
+            *(f"µs/tok {r}" for r in ROLES), "µs/tok total", "µs/resp total", "errors"]  # fmt: skip
     rule = "|" + "|".join("---" for _ in cols) + "|"
     return "\n".join([head, "", "| " + " | ".join(cols) + " |", rule, *(_line(r) for r in result["phases"])])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server on the way out
     config = {k: v for k, v in vars(args).items() if k not in ("bundle", "out")}
     result: dict[str, Any] = {"config": config, "phases": []}
     with tempfile.TemporaryDirectory(prefix="serving-path-") as tmp:
