@@ -168,6 +168,7 @@ class LLM:
         import torch
 
         from dflash_trt.engine.assemble import build_engine
+        from dflash_trt.engine.stand_in import install_from_env
         from dflash_trt.models.sources import default_stop_token_ids
 
         with torch.inference_mode():
@@ -181,6 +182,9 @@ class LLM:
                 dtype=self.dtype,
                 eos_token_ids=tuple(default_stop_token_ids(target_dir, self.tokenizer)),
             )
+            # a stand-in (tests and the serving path's benchmark only) runs no round to compile
+            stand_in = install_from_env(engine)
+            compile = compile and stand_in is None
             self._precompiler = _start_compiled(engine, self._precompile_request) if compile else None
         # Everything allocated so far (modules, the tokenizer, compiled code) lives as long as the LLM:
         # keep it out of the cyclic collector, whose full passes over it cost ~1.5 ms a step otherwise.

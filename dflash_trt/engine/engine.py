@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from dflash_trt.engine.planner import NullPlanner
     from dflash_trt.engine.round import RoundParts
     from dflash_trt.engine.scheduler import Scheduler
+    from dflash_trt.engine.stand_in import StandInRunner
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class LLMEngine:
         """The finished parts (engine/assemble.py `build_engine` makes them)."""
         self.config, self.tokenizer, self.spec = config, tokenizer, spec
         self.parts, self.executor, self.planner, self.scheduler = parts, executor, planner, scheduler
-        self.runner = ModelRunner(parts, executor)
+        # the stand-in of the serving path's benchmark may replace it (engine/stand_in.py)
+        self.runner: ModelRunner | StandInRunner = ModelRunner(parts, executor)
         self.device = parts.device
         self.vocab_size = parts.target.config.vocab_size
         self.eos_token_ids = eos_token_ids
