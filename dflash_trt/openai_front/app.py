@@ -213,6 +213,9 @@ async def _run(request: web.Request, gen: P.Generation) -> web.StreamResponse:
             await _stream(resp, gen, rid, created, first, pieces, _token_text(request.app[KEY_CHAT]))
         except P.OpenAIError as exc:  # a failure after the headers went out: an SSE error event
             await _event(resp, exc.body())
+        except ConnectionResetError:  # the client left mid-stream: leaving `aclosing` cancels its request
+            log.debug("%s: the client closed the stream; request cancelled", rid)
+            return resp
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
