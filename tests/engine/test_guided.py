@@ -231,3 +231,25 @@ def test_llm_api_guided_decoding_params(tiny):
         assert err.value.field == "guided_decoding"
     finally:
         llm.shutdown()
+
+
+def test_each_of_n_sequences_has_its_own_guide(tiny):
+    """n > 1: the siblings copy the leader's prompt pages but not its matcher: each sequence is guided
+    from the start and equals a separate request with its seed (sampled: the sequences differ)."""
+    from dflash_trt.engine.admission import sequence_seed
+
+    paths, tok, prompts = tiny
+    case = {"temperature": 0.9, "seed": 21, "guide": ("regex", REGEX)}
+    engine = engine_for(paths, tok)
+    group = engine.add_request(prompts[0], RequestParams(max_tokens=48, n=3, **case)).group  # before the fork
+    while engine.has_work():
+        engine.step()
+    singles = [
+        (prompts[0], RequestParams(max_tokens=48, **{**case, "seed": sequence_seed(21, i)})) for i in range(3)
+    ]
+    alone = run(engine_for(paths, tok), singles)
+    assert len(group) == 3
+    for got, want in zip(group, alone, strict=True):
+        assert got.output_ids == want.output_ids
+        assert got.finish_reason != "stop" or re.fullmatch(REGEX, got.text), got.text
+    assert len({tuple(r.output_ids) for r in group}) > 1
