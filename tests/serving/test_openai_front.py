@@ -711,3 +711,23 @@ def test_structured_outputs_served_equal_plain_guided_decoding(client, case) -> 
     chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0, stream=True,
                                        extra_body=fields)  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+
+
+def test_a_required_tool_call_on_tiny(client) -> None:
+    """tiny's plain ChatML template: the front describes the tool in the system message and the guide
+    forces one Hermes call whose arguments validate, whole and streamed alike."""
+    tool = {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 24}},
+                           "required": ["path"], "additionalProperties": False}}}  # fmt: skip
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "Open setup.py"}], "tools": [tool],
+          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 96}  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "read_file" and set(json.loads(call.function.arguments)) == {"path"}
+    streamed = [t for c in client.chat.completions.create(**kw, stream=True) if c.choices
+                for t in c.choices[0].delta.tool_calls or []]  # fmt: skip
+    assert streamed[0].function.name == "read_file"
+    assert json.loads("".join(t.function.arguments or "" for t in streamed)) == json.loads(
+        call.function.arguments
+    )

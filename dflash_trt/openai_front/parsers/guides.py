@@ -49,8 +49,15 @@ def tool_call_guide(functions: list[dict[str, Any]], *, harmony: bool, one: bool
 
 
 def _schema(function: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments: the function's parameters schema, with at most one whitespace character in a
+    row between tokens (a small model otherwise loops on whitespace until max_tokens, as the engine's
+    json_schema guides compile without free whitespace for the same reason)."""
     params = function.get("parameters")
-    return {"type": "json_schema", "json_schema": params if params else {"type": "object"}}
+    return {
+        "type": "json_schema",
+        "json_schema": params if params else {"type": "object"},
+        "max_whitespace_cnt": 1,
+    }
 
 
 def _hermes(functions: list[dict[str, Any]], *, one: bool) -> dict[str, Any]:
