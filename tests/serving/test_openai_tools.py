@@ -345,3 +345,14 @@ def test_a_harmony_template_asks_the_model_to_keep_special_tokens() -> None:
         assert ("sampling_param_skip_special_tokens" in names) is keep
         if keep:
             assert names["sampling_param_skip_special_tokens"].datatype() == "BOOL"
+
+
+def test_a_forced_call_beside_another_guide_is_refused() -> None:
+    from dflash_trt.openai_front import app
+    from dflash_trt.openai_front.parsers import OutputFormat
+
+    gen = _chat(tools=[WEATHER], tool_choice="required", structured_outputs={"regex": "a+"})
+    gen.prompt = "x"
+    with pytest.raises(P.OpenAIError) as err:
+        app._answer_format(gen, OutputFormat.of("<|im_start|>{{ m }}"))
+    assert err.value.param == "tool_choice" and "structured_outputs" in err.value.message
