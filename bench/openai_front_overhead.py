@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,23 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from proc_tools import cpu_seconds, free_ports
+
 REPO = Path(__file__).resolve().parents[1]
 PROTOCOLS = ("triton-grpc", "openai-completions", "openai-chat")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _one(protocol, c, rep, args, serve_pid, grpc, oai, name, bundle, tmp) -> dict:

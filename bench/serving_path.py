@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from proc_tools import cpu_seconds, free_ports
 from script_args import positive_ints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,12 +78,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # --- processes --------------------------------------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -122,16 +116,6 @@ def process_roles(serve_pid: int) -> dict[str, int]:
             f"serve (pid {serve_pid}) has no {', '.join(missing)} process: is it a torch bundle?"
         )
     return roles
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,18 +42,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from proc_tools import free_ports
 
 GEN = "/v2/models/tensorrt_llm/generate"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Serve:
