@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from dflash_trt.engine.request import DEFAULT_MAX_TOKENS
 from dflash_trt.errors import ConfigError, RequestError
 
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")  # TensorRT-LLM's guide types
-
 
 @dataclass
 class GuidedDecodingParams:
@@ -27,7 +25,7 @@ class GuidedDecodingParams:
     structural_tag: str | None = None
 
     def guide(self) -> tuple[str, str]:
-        """(guide type, guide text) in GUIDE_TYPES' terms; RequestError naming `guided_decoding` unless
+        """(guide type, guide text) in engine/request.py GUIDE_TYPES terms; RequestError naming `guided_decoding` unless
         exactly one guide is set."""
         import json as _json
 

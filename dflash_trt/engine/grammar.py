@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from dflash_trt.engine.request import GUIDE_TYPES
 from dflash_trt.errors import RequestError
 
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 FIELD = "guided_decoding"
 MAX_GUIDE_CHARS = 1 << 20  # a guide's text: bounded work for the compiler
 
@@ -46,8 +46,6 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
         )
-        self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self._lock = threading.Lock()  # add_request may run on several threads
 
@@ -85,15 +83,14 @@ class GrammarCompiler:
 
     def guide(self, compiled: Any) -> Guide:
         """A fresh matcher (xgrammar's roll back as far as needed: a round's drafts or tree path)."""
-        return Guide(self._xgr.GrammarMatcher(compiled), self.words)
+        return Guide(self._xgr.GrammarMatcher(compiled))
 
 
 class Guide:
     """One sequence's matcher: the state after its committed tokens."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
-        self.words = words
 
     def fill(self, out: torch.Tensor) -> None:
         """The allowed tokens after the current state into `out` [words] int32 (all, once terminated:

@@ -11,6 +11,8 @@ from typing import Any
 # max_tokens when a request does not say: TensorRT-LLM's SamplingParams default, shared by the LLM
 # API and the Triton model (the OpenAI front has its own protocol defaults: docs/serving.md).
 DEFAULT_MAX_TOKENS = 32
+# guided decoding's guide types (TensorRT-LLM's, and ours structural_tag): RequestParams.guide's first item
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 
 
 class Status(enum.Enum):

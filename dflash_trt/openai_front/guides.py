@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Structured-output guides in the Triton model's terms, and a compile check that needs no tokenizer.
 
-A guide is a pair (guide type, text), the type one of TensorRT-LLM's guide types (api/params.py
+A guide is a pair (guide type, text), the type one of TensorRT-LLM's guide types (engine/request.py
 GUIDE_TYPES, sent as NVIDIA's `guided_decoding_guide_type` / `guided_decoding_guide` inputs). This
 module knows what the texts are; protocol.py knows which request fields carry them.
 

@@ -124,7 +124,7 @@ class Generation:
     echo: bool = False  # completions: the prompt before each choice's text (and its log-probabilities)
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
     # guided decoding, in the Triton model's terms (guided_decoding_guide_type / _guide): one of
-    # api/params.py's GUIDE_TYPES and its text ("" for "json": any JSON object)
+    # engine/request.py's GUIDE_TYPES and its text ("" for "json": any JSON value)
     guide_type: str | None = None
     guide: str = ""
     guide_param: str = "response_format"  # the request field the guide came from (errors name it)
