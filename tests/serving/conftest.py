@@ -209,3 +209,21 @@ def grpc_stream_request(
     client.close()
     assert all(err is None for _, err in results), results
     return [r for r, _ in results if r.as_numpy("text_output") is not None]
+
+
+def fold_chat_stream(chunks) -> tuple[str, list[dict], str | None]:
+    """Streamed chat chunks (the openai client's) -> (content, tool calls as {id, name, arguments} with
+    their argument fragments joined, the last finish_reason), as a client assembles them."""
+    content, calls, finish = "", [], None
+    for c in chunks:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            if t.id is not None:
+                calls.append({"id": t.id, "name": t.function.name, "arguments": t.function.arguments})
+            else:
+                calls[t.index]["arguments"] += t.function.arguments
+        finish = c.choices[0].finish_reason or finish
+    return content, calls, finish

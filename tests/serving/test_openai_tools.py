@@ -18,7 +18,7 @@ from dflash_trt.openai_front import protocol as P
 from dflash_trt.openai_front.app import FrontConfig, FrontThread, build_app
 from dflash_trt.openai_front.chat import ChatTemplate
 from dflash_trt.openai_front.upstream import Piece, Seq
-from tests.serving.conftest import free_ports
+from tests.serving.conftest import fold_chat_stream, free_ports
 
 SERVED = ["smol"]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
@@ -217,18 +217,8 @@ def front(smol_chat):
 
 
 def _stream(client, **kw) -> tuple[str, list, str, list]:
-    content, calls, finish, chunks = "", [], None, []
-    for c in client.chat.completions.create(model="smol", messages=USER, stream=True, **kw):
-        chunks.append(c)
-        d = c.choices[0].delta
-        content += d.content or ""
-        for t in d.tool_calls or []:
-            if t.id is not None:
-                calls.append({"id": t.id, "name": t.function.name, "arguments": t.function.arguments})
-            else:
-                calls[t.index]["arguments"] += t.function.arguments
-        finish = c.choices[0].finish_reason or finish
-    return content, calls, finish, chunks
+    chunks = list(client.chat.completions.create(model="smol", messages=USER, stream=True, **kw))
+    return (*fold_chat_stream(chunks), chunks)
 
 
 def test_tool_calls_reach_the_openai_client_whole_and_streamed(front) -> None:

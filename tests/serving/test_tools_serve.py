@@ -17,7 +17,7 @@ import signal
 import openai
 import pytest
 
-from tests.serving.conftest import build_bundle, launch_serve
+from tests.serving.conftest import build_bundle, fold_chat_stream, launch_serve
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 
@@ -44,19 +44,7 @@ def client(tmp_path_factory):
 
 
 def _streamed_calls(chunks) -> tuple[list[dict], str | None, str]:
-    calls: list[dict] = []
-    finish, content = None, ""
-    for c in chunks:
-        if not c.choices:
-            continue
-        d = c.choices[0].delta
-        content += d.content or ""
-        for t in d.tool_calls or []:
-            if t.id is not None:
-                calls.append({"id": t.id, "name": t.function.name, "arguments": t.function.arguments})
-            else:
-                calls[t.index]["arguments"] += t.function.arguments
-        finish = c.choices[0].finish_reason or finish
+    content, calls, finish = fold_chat_stream(chunks)
     return calls, finish, content
 
 
