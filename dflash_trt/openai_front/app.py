@@ -182,9 +182,6 @@ def _answer_format(gen: P.Generation, fmt: OutputFormat) -> None:
     gen.parser = lambda: fmt.parser(prompt, tools=tools)
     gen.keep_special_tokens = fmt.harmony  # its markers are special tokens: the model must send them
     if gen.tool_choice in ("required", "function"):
-        if gen.guide_type is not None:  # structured_outputs / guided_* beside it (response_format: protocol)
-            raise P.bad("tool_choice", gen.tool_choice, f"forces a tool call, which the guide in {gen.guide_param} forbids",
-                        'send tool_choice "auto", or drop the other guide')  # fmt: skip
         functions = [f for f in gen.tools if gen.tool_choice == "required" or f["name"] == gen.tool_name]
         one = gen.tool_choice == "function" or not gen.parallel_tool_calls
         gen.guide_type, gen.guide = tool_call_guide(functions, harmony=fmt.harmony, one=one,

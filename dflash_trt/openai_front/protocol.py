@@ -725,10 +725,10 @@ def _tools(body: dict[str, Any], gen: Generation) -> None:
                 f"tools[{i}].function.name", name, "names a function twice", "give each function its own name"
             )
     gen.tool_choice, gen.tool_name = _tool_choice(choice, names)
-    fmt = body.get("response_format")
-    if gen.tool_choice in ("required", "function") and isinstance(fmt, dict) and fmt.get("type") != "text":
-        raise bad("tool_choice", choice, f"forces a tool call, which a {fmt.get('type')} response_format forbids",
-                  'send tool_choice "auto", or omit response_format')  # fmt: skip
+    if gen.tool_choice in ("required", "function") and gen.guide_type is not None:  # _structured's guide
+        field = gen.guide_param.split(".")[0]
+        raise bad("tool_choice", choice, f"forces a tool call, which the guide of a {gen.guide_type} {field} forbids",
+                  f'send tool_choice "auto", or omit {field}')  # fmt: skip
 
 
 def _function(where: str, tool: Any) -> dict[str, Any]:

@@ -98,16 +98,13 @@ def test_bad_tool_fields_are_400s_naming_the_field(body: dict, param: str) -> No
 
 
 def test_a_forced_tool_call_and_a_response_format_exclude_each_other() -> None:
-    """(response_format json_schema is served on another branch; here _tools alone is checked.)"""
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         body = {"tools": [WEATHER], "tool_choice": choice,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}  # fmt: skip
         with pytest.raises(P.OpenAIError) as info:
-            P._tools(body, P.Generation(kind="chat", model="smol"))
+            _chat(**body)
         assert info.value.param == "tool_choice" and "json_schema response_format" in info.value.message
-    P._tools(
-        {**body, "tool_choice": "auto"}, P.Generation(kind="chat", model="smol")
-    )  # auto may answer in JSON
+    _chat(**{**body, "tool_choice": "auto"})  # auto may answer in JSON
 
 
 def test_completions_still_refuses_chat_fields() -> None:
@@ -338,11 +335,6 @@ def test_a_harmony_template_asks_the_model_to_keep_special_tokens() -> None:
 
 
 def test_a_forced_call_beside_another_guide_is_refused() -> None:
-    from dflash_trt.openai_front import app
-    from dflash_trt.openai_front.parsers import OutputFormat
-
-    gen = _chat(tools=[WEATHER], tool_choice="required", structured_outputs={"regex": "a+"})
-    gen.prompt = "x"
     with pytest.raises(P.OpenAIError) as err:
-        app._answer_format(gen, OutputFormat.of("<|im_start|>{{ m }}"))
+        _chat(tools=[WEATHER], tool_choice="required", structured_outputs={"regex": "a+"})
     assert err.value.param == "tool_choice" and "structured_outputs" in err.value.message
