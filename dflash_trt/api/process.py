@@ -35,6 +35,7 @@ import functools
 import itertools
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -298,16 +299,32 @@ def _relay_log(level: int, name: str, text: str) -> None:
 
 # --- the child ------------------------------------------------------------------------------------------
 class _Link:
-    """The child's sending end: one message at a time, from any of its threads."""
+    """The child's sending end. Messages from any of its threads leave in the order they were sent,
+    pickled and written by one writer thread: the engine thread hands over a step's outputs and goes
+    on with the next round instead of pickling them and waiting on the pipe (the parent's reader may
+    be slow to take them). `close` sends what is queued and stops the writer."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="dflash-link-writer", daemon=True)
+        self._writer.start()
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        # OSError: the parent is gone; the main thread reads EOF and shuts the engine down
-        with self._lock, contextlib.suppress(OSError):
-            self._conn.send(msg)
+        self._queue.put(msg)
+
+    def close(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+    def _write(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except OSError:  # the parent is gone; the main thread reads EOF and shuts the engine down
+                continue
+            except Exception:  # a message that does not pickle: say so, keep the link
+                log.exception("engine process link: could not send a %r message", msg[0])
 
 
 class _PipeLogHandler(logging.Handler):
@@ -386,6 +403,14 @@ def _child_main(rx_fd: int, tx_fd: int) -> int:
         signal.signal(sig, signal.SIG_IGN)
     rx = Connection(rx_fd, writable=False)
     link = _Link(Connection(tx_fd, readable=False))
+    try:
+        return _serve_parent(rx, link)
+    finally:
+        link.close()
+
+
+def _serve_parent(rx: Connection, link: _Link) -> int:
+    """Build the LLM the parent asks for, then take its requests until it says shutdown or goes away."""
     engine_log = logging.getLogger("dflash_trt")
     engine_log.addHandler(_PipeLogHandler(link))
     engine_log.setLevel(logging.INFO)

@@ -181,3 +181,24 @@ def test_the_engine_process_exits_when_its_parent_dies(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.timeout(60)  # a link that writes on the sender's thread blocks here for good
+def test_the_childs_sends_never_wait_on_a_parent_that_does_not_read():
+    """The engine thread hands a step's outputs to the link and goes on: a parent that reads nothing
+    for a while (a full pipe) does not hold it up, and every message then arrives once, in order."""
+    from multiprocessing.connection import Connection
+
+    from dflash_trt.api.process import _Link
+
+    rx_fd, tx_fd = os.pipe()
+    rx, link = Connection(rx_fd, writable=False), _Link(Connection(tx_fd, readable=False))
+    payload = "x" * 200_000  # larger than a pipe's buffer: one message alone would block a writer
+    t0 = time.monotonic()
+    for i in range(20):
+        link.send(("out", i, payload))
+    assert time.monotonic() - t0 < 1.0  # nothing has been read yet
+    got = [rx.recv()[1] for _ in range(20)]
+    link.close()
+    assert got == list(range(20))
+    rx.close()
