@@ -199,6 +199,19 @@ void row_block(const Group<T> &gp, long r0, long j0, long n) {
   }
 }
 
+// The tile's n keys (kp[jj]: d values each) widened into kt [d][TILE], key-minor; the missing keys of a
+// short last tile are zeros (they score 0 and are then hidden). Written a row of 16 keys at a time:
+// stores that walk kt with a stride of TILE floats are several times slower.
+template <typename T>
+void transpose_keys(const T *const *kp, long n, long d, float *kt) {
+  for (long x = 0; x < d; x++) {
+    alignas(64) float row[TILE];
+    for (long jj = 0; jj < n; jj++) row[jj] = widen(kp[jj][x]);
+    for (long jj = n; jj < TILE; jj++) row[jj] = 0.f;
+    std::memcpy(kt + x * TILE, row, sizeof row);
+  }
+}
+
 // One (sequence, KV head): its G query heads x T rows against every visible key, a tile of keys at a
 // time. A tile's keys are widened into kt [d][TILE] (key-minor), so that a row's scores for the whole
 // tile are one vectorised multiply-add per head dimension; a tile no row sees is skipped unread.
@@ -218,6 +231,7 @@ void attend_group(const Args<T> &a, long seq, long kvh, std::vector<float> &work
   const bool *mask = a.mask + seq * a.m_b;
   const long mask_rows = a.m_t == 0 ? 1 : a.t;
   const T *vp[TILE];
+  const T *kp[TILE];
   const Group<T> st{qf, kt, vp, mask, acc, m, l, d, a.t, a.m_t, a.m_j};
   for (long j0 = 0; j0 < keys; j0 += TILE) {
     const long n = keys - j0 < TILE ? keys - j0 : TILE;
@@ -227,20 +241,17 @@ void attend_group(const Args<T> &a, long seq, long kvh, std::vector<float> &work
     if (!seen) continue;
     for (long jj = 0; jj < n; jj++) {
       const long j = j0 + jj;
-      const T *k;
       if (j < a.lc) {
         const int64_t slot = ctx[j];
         TORCH_CHECK(slot >= 0 && slot < a.s, "dflash_cpu::paged_attention: slot ", slot, " outside the pool");
-        k = a.k_pool + (slot * a.hkv + kvh) * d;
+        kp[jj] = a.k_pool + (slot * a.hkv + kvh) * d;
         vp[jj] = a.v_pool + (slot * a.hkv + kvh) * d;
       } else {
-        k = a.k_new + ((seq * a.b + (j - a.lc)) * a.hkv + kvh) * d;
+        kp[jj] = a.k_new + ((seq * a.b + (j - a.lc)) * a.hkv + kvh) * d;
         vp[jj] = a.v_new + ((seq * a.b + (j - a.lc)) * a.hkv + kvh) * d;
       }
-      for (long x = 0; x < d; x++) kt[x * TILE + jj] = widen(k[x]);
     }
-    for (long jj = n; jj < TILE; jj++)  // a short last tile: its missing keys score 0, then hidden
-      for (long x = 0; x < d; x++) kt[x * TILE + jj] = 0.f;
+    transpose_keys(kp, n, d, kt);
     long r = 0;
     for (; r + 4 <= rows; r += 4) row_block<4>(st, r, j0, n);
     for (; r < rows; r++) row_block<1>(st, r, j0, n);
