@@ -175,6 +175,8 @@ class Executor:
             "plugins": p.backend.plugins,
             # which linears run on packed fp32 weights (3-D): the switch DFLASH_TRT_CPU_GEMM changes them
             "packed_f32": sum(b.dim() == 3 for m in models for b in m.buffers()),
+            # and which on packed bf16 weights in `dflash_bf16::linear` (4-D): the same switch
+            "packed_bf16": sum(b.dim() == 4 for m in models for b in m.buffers()),
             # whether sampled rounds hash their uniforms in dflash_rng::uniform: DFLASH_TRT_CPU_UNIFORM
             "native_uniform": p.native_uniform,
             # whether tree rounds build their trees in dflash_tree::best_first: DFLASH_TRT_CPU_TREE

@@ -207,3 +207,39 @@ def _load_f32_op() -> bool:
 def _build_f32_op() -> Path:
     """The operator's shared library for this source, torch and compiler: from the cache, or built now."""
     return native.torch_op_library(Path(__file__).with_name(F32_OP_SOURCE), ("-mavx512f",))
+
+
+# --- bf16: the same kernel as a torch operator (gemm_bf16_op.cpp) ------------------------------------
+# bf16 weights whose width is a whole number of blocks run through `dflash_bf16::linear`: gemm_bf16.c
+# compiled into a C++ operator, so that a compiled round calls it without Python in between (through
+# the Python op, each of smollm2-135m's ~150 linears a step cost tens of microseconds before the kernel
+# ran). The layer holds the packed tensor itself (4-D). Same switch and cache as the C kernels.
+BF16_OP_SOURCE = "gemm_bf16_op.cpp"
+BF16_OP_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
+
+
+def bf16_op_available() -> bool:
+    """Whether `dflash_bf16::linear` runs here: the switch, a CPU with AVX512-BF16, and the operator
+    built and loaded (built at the first call that needs it)."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or not BF16.cpu_flags <= cpu_flags():
+        return False
+    return _load_bf16_op()
+
+
+@functools.cache
+def _load_bf16_op() -> bool:
+    here = Path(__file__).parent
+    try:
+        path = native.torch_op_library(here / BF16_OP_SOURCE, BF16_OP_FLAGS, includes=(here / BF16.source,))
+        torch.ops.load_library(str(path))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("dflash_trt's bf16 CPU GEMM operator is unavailable (%s); using the Python one", exc)
+        return False
+
+    @torch.library.register_fake("dflash_bf16::linear")
+    def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    return True

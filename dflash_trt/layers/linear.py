@@ -23,7 +23,9 @@ Packed fp32 weights (CPU with AVX-512F). fp32 models keep fp32 and run every lin
 multiple of 16 through `dflash_f32::linear` (layers/gemm_f32_op.cpp, a C++ operator): on `tiny`, a
 compiled DFlash round at batch 1 1.16-1.24x and a plain step 1.25-1.35x faster than MKL's sgemm
 (bench/README.md, "dflash-trt's own fp32 GEMM"). Such a weight is packed as [N/16, K, 16] and the
-layer holds that tensor itself (3-D, so `linear` knows it), not a placeholder.
+layer holds that tensor itself (3-D, so `linear` knows it), not a placeholder. Likewise a bf16 weight in
+`cpu_gemm`'s layout whose width is a whole number of blocks runs through `dflash_bf16::linear` (the
+same kernel as a C++ operator, layers/gemm_bf16_op.cpp) and the layer holds the 4-D packed tensor.
 
 A packed layer's weight is a *placeholder*: an empty [out_features, 0] tensor that stands for the
 packed one (torch.compile cannot trace oneDNN's opaque tensors; a placeholder is an ordinary graph
@@ -60,6 +62,8 @@ def in_features(weight: torch.Tensor) -> int | None:
     for a placeholder (its packed copy is not a tensor here)."""
     if weight.dim() == 3:
         return weight.shape[1]
+    if weight.dim() == 4:
+        return 2 * weight.shape[1]
     return None if is_packed(weight) else weight.shape[-1]
 
 
@@ -99,6 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `dflash_f32::linear` when it is an fp32 weight in that operator's layout (3-D)."""
     if weight.dim() == 3:
         return torch.ops.dflash_f32.linear(x, weight, bias, weight.shape[0] * cpu_gemm.BLOCK)
+    if weight.dim() == 4:
+        return torch.ops.dflash_bf16.linear(x, weight, bias, weight.shape[0] * cpu_gemm.BLOCK)
     if is_packed(weight):
         return torch.ops.dflash_cpu.packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -222,6 +228,8 @@ def pack_linears(model: nn.Module, *, float32: bool = False) -> int:
         holder: torch.Tensor
         if isinstance(packed, torch.Tensor) and form == "f32":
             holder = packed  # the packed tensor itself goes into the graph: the operator is C++, no lookup
+        elif isinstance(packed, cpu_gemm.BlockedWeight) and _bf16_op_takes(packed, weight):
+            holder = packed.data  # 4-D: `dflash_bf16::linear`, also C++
         else:
             holder = _placeholder(packed, weight.shape[0], weight)
         count += 1
@@ -234,6 +242,12 @@ def pack_linears(model: nn.Module, *, float32: bool = False) -> int:
             if id(weight) not in embeddings:  # tied: the embedding keeps the dense weight
                 module.weight = nn.Parameter(_empty_like(weight), requires_grad=False)
     return count
+
+
+def _bf16_op_takes(packed: cpu_gemm.BlockedWeight, weight: torch.Tensor) -> bool:
+    """A bf16 weight of whole blocks runs through `dflash_bf16::linear` where it is built (the packed
+    shape then names the width); others keep the placeholder and the Python op."""
+    return weight.dtype == torch.bfloat16 and packed.n % cpu_gemm.BLOCK == 0 and cpu_gemm.bf16_op_available()
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:

@@ -84,9 +84,10 @@ def _place(path: Path, make: Callable[[str], object]) -> None:
             os.unlink(tmp)
 
 
-def torch_op_library(source: Path, isa_flags: Sequence[str]) -> Path:
+def torch_op_library(source: Path, isa_flags: Sequence[str], includes: Sequence[Path] = ()) -> Path:
     """A C++ torch operator's shared library (g++ or $CXX, torch's headers and libraries, `isa_flags`
-    such as -mavx512f): from the cache, or built now (~10-20 s, once per source, torch and compiler)."""
+    such as -mavx512f): from the cache, or built now (~10-20 s, once per source, torch and compiler).
+    `includes`: the files the source includes from beside it (their text is part of the cache key)."""
     import torch
     from torch.utils import cpp_extension
 
@@ -95,7 +96,8 @@ def torch_op_library(source: Path, isa_flags: Sequence[str]) -> Path:
     flags = ["-O3", *isa_flags, "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch", "-ltorch_cpu"]
-    return compiled_library(cxx, source, flags, libs, torch.__version__.encode())
+    salt = torch.__version__.encode() + b"".join(p.read_bytes() for p in includes)
+    return compiled_library(cxx, source, flags, libs, salt)
 
 
 class TorchOp:

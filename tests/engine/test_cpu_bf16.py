@@ -71,15 +71,18 @@ def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie, 
     # per layer: qkv, o, gate_up and down; plus the LM head
     assert packed == 4 * model.config.num_hidden_layers + 1 and n_linear > packed
     attn = model.model.layers[0].self_attn
-    kind = type(linear_mod._PACKED[attn.qkv.weight._cdata])
-    assert (kind is cpu_gemm.BlockedWeight) is (gemm_kernel == "dflash")
+    if gemm_kernel == "dflash":  # whole blocks: the layer holds the packed tensor, run by dflash_bf16::linear
+        assert attn.qkv.weight.dim() == 4 and cpu_gemm.bf16_op_available()
+    else:  # a placeholder for oneDNN's packed weight
+        assert type(linear_mod._PACKED[attn.qkv.weight._cdata]) is not cpu_gemm.BlockedWeight
     for a, b in zip(want, got, strict=True):
         if gemm_kernel == "onednn":
             assert torch.equal(a, b)  # the same oneDNN kernels, without the per-call reorder
         else:  # fp32 sums in another order, one bf16 rounding: within a bf16 step of oneDNN's
             assert b.dtype == torch.bfloat16
             torch.testing.assert_close(b.float(), a.float(), rtol=2**-7, atol=1e-2)
-    assert attn.q_proj.weight.numel() == 0 and attn.qkv.weight.numel() == 0  # dense copies released
+    assert attn.q_proj.weight.numel() == 0  # dense copies released: the fused one is a placeholder or packed
+    assert attn.qkv.weight.dim() == 4 if gemm_kernel == "dflash" else attn.qkv.weight.numel() == 0
     assert attn.q_proj.weight.dtype == torch.bfloat16  # metadata kept for dtype/device readers
     embed = model.model.embed_tokens.weight
     assert embed.numel() > 0  # the embedding is never released, tied or not
@@ -231,3 +234,23 @@ def test_bf16_engine_is_lossless_and_runs_packed() -> None:
     assert got == want and alone == want[1]
     spec = stats.outputs[0].request_perf_metrics.speculative_decoding
     assert spec.total_accepted_draft_tokens > 0  # the drafter really drafted (through the packed head)
+
+
+@pytest.mark.parametrize("m", [0, 1, 5, 17])
+def test_the_bf16_operator_is_the_kernel_and_whole_blocks_only_take_it(m) -> None:
+    """`dflash_bf16::linear` (C++) gives the ctypes call's results bit for bit; a width that is not a
+    whole number of blocks keeps the placeholder (the packed shape could not name it)."""
+    if not cpu_gemm.available() or not cpu_gemm.bf16_op_available():
+        pytest.skip(NO_KERNEL)
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    x = torch.randn(2, m, 64, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    packed = cpu_gemm.pack(w)
+    for b in (None, bias):
+        assert torch.equal(torch.ops.dflash_bf16.linear(x, packed.data, b, 96), cpu_gemm.gemm(x, packed, b))
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.dflash_bf16.linear(x[..., :32], packed.data, None, 96)
+    whole, ragged = Linear(64, 96, bias=False).bfloat16(), Linear(64, 90, bias=False).bfloat16()
+    assert pack_linears(whole) == 1 and whole.packed.dim() == 4
+    assert pack_linears(ragged) == 1 and linear_mod.is_packed(ragged.packed)

@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// The bf16 GEMM of gemm_bf16.c as the torch operator dflash_bf16::linear(x, w_packed, bias, n),
+// registered with the dispatcher, so that a compiled round calls it as it calls aten::mm.
+//
+// Why: through a Python custom op and ctypes, each call of the kernel cost tens of microseconds of
+// Python (the op's wrapper, the packed weight's lookup, the ctypes call): with smollm2-135m's ~150
+// linears a decoding step, more than a third of a batch-1 step. The kernel itself is gemm_bf16.c,
+// included below unchanged (the C kernel's numerics, tiles and threads).
+// w: the packed weight [ceil(N/16), K/2, 16, 2] bf16 (cpu_gemm.pack); n: N, a whole number of blocks
+// (n = 16 * w.size(0)); x [..., K] bf16; bias [N] or None (read as fp32); out [..., N] bf16.
+// Built by dflash_trt/layers/cpu_gemm.py (g++ with AVX512-BF16 and OpenMP, torch's headers and libraries).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+extern "C" {
+#include "gemm_bf16.c"
+}
+
+namespace {
+
+at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias, int64_t n) {
+  const char *op = "dflash_bf16::linear: ";
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, op, "bf16 only");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 && w.is_contiguous(), op, "w is not packed");
+  TORCH_CHECK(x.size(-1) == 2 * w.size(1), op, "x has ", x.size(-1), " features, w ", 2 * w.size(1));
+  TORCH_CHECK(n > 0 && (n + 15) / 16 == w.size(0), op, "n=", n, " does not match w");
+  const at::Tensor flat = x.reshape({-1, x.size(-1)}).contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == n, op, "bias has ", b.numel(), " values for n=", n);
+  }
+  at::Tensor out = at::empty({flat.size(0), n}, x.options());
+  if (flat.size(0) > 0) {
+    dflash_gemm_bf16(reinterpret_cast<const uint16_t *>(flat.data_ptr()), flat.size(0), flat.size(1),
+                     reinterpret_cast<const uint16_t *>(w.data_ptr()), n,
+                     b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t *>(out.data_ptr()),
+                     at::get_num_threads());
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash_bf16, m) { m.def("linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(dflash_bf16, CPU, m) { m.impl("linear", &linear); }
