@@ -169,17 +169,13 @@ def _build(kernel: _Kernel) -> Path:
 # cache as the C kernels above; built with g++ against the installed torch (~10 s, once per torch
 # version and compiler).
 F32_OP_SOURCE = "gemm_f32_op.cpp"
-F32_OP_FLAGS = frozenset({"avx512f"})
+F32_OP_FLAGS = ("-mavx512f",)
 
 
 def f32_available() -> bool:
     """Whether `dflash_f32::linear` runs here: the switch, an x86-64 CPU with AVX-512F, and the
     operator built and loaded (built at the first call that needs it)."""
-    if os.environ.get(SWITCH_ENV, "1") == "0":
-        return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or not cpu_flags() >= F32_OP_FLAGS:
-        return False
-    return _load_f32_op()
+    return _runs_here(frozenset({"avx512f"})) and _load_linear_op("dflash_f32", F32_OP_SOURCE, F32_OP_FLAGS)
 
 
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -188,31 +184,10 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     return dense.reshape(-1, BLOCK, weight.shape[1]).permute(0, 2, 1).contiguous()
 
 
-@functools.cache
-def _load_f32_op() -> bool:
-    try:
-        path = _build_f32_op()
-        torch.ops.load_library(str(path))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("dflash_trt's fp32 CPU GEMM operator is unavailable (%s); using torch's", exc)
-        return False
-
-    @torch.library.register_fake("dflash_f32::linear")
-    def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return x.new_empty(*x.shape[:-1], n)
-
-    return True
-
-
-def _build_f32_op() -> Path:
-    """The operator's shared library for this source, torch and compiler: from the cache, or built now."""
-    return native.torch_op_library(Path(__file__).with_name(F32_OP_SOURCE), ("-mavx512f",))
-
-
 # --- bf16: the same kernel as a torch operator (gemm_bf16_op.cpp) ------------------------------------
 # bf16 weights whose width is a whole number of blocks run through `dflash_bf16::linear`: gemm_bf16.c
 # compiled into a C++ operator, so that a compiled round calls it without Python in between (through
-# the Python op, each of smollm2-135m's ~150 linears a step cost tens of microseconds before the kernel
+# the Python op, each of smollm2-135m's 121 linears a step cost tens of microseconds before the kernel
 # ran). The layer holds the packed tensor itself (4-D). Same switch and cache as the C kernels.
 BF16_OP_SOURCE = "gemm_bf16_op.cpp"
 BF16_OP_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp")
@@ -221,25 +196,33 @@ BF16_OP_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fope
 def bf16_op_available() -> bool:
     """Whether `dflash_bf16::linear` runs here: the switch, a CPU with AVX512-BF16, and the operator
     built and loaded (built at the first call that needs it)."""
+    return _runs_here(BF16.cpu_flags) and _load_linear_op(
+        "dflash_bf16", BF16_OP_SOURCE, BF16_OP_FLAGS, BF16.source
+    )
+
+
+def _runs_here(needs: frozenset[str]) -> bool:
+    """The switch is on, and this is an x86-64 CPU with the flags `needs`."""
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or not BF16.cpu_flags <= cpu_flags():
-        return False
-    return _load_bf16_op()
+    return platform.machine().lower() in ("x86_64", "amd64") and needs <= cpu_flags()
 
 
 @functools.cache
-def _load_bf16_op() -> bool:
+def _load_linear_op(namespace: str, source: str, flags: tuple[str, ...], *includes: str) -> bool:
+    """Build (or take from the cache) and load the operator `namespace::linear(x, w, bias, n)` from
+    `source` beside this module, and give torch.compile its shape; False, logged, where it cannot be
+    built (callers keep the other path). `includes`: the files beside it that the source includes."""
     here = Path(__file__).parent
     try:
-        path = native.torch_op_library(here / BF16_OP_SOURCE, BF16_OP_FLAGS, includes=(here / BF16.source,))
+        path = native.torch_op_library(here / source, flags, includes=[here / name for name in includes])
         torch.ops.load_library(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("dflash_trt's bf16 CPU GEMM operator is unavailable (%s); using the Python one", exc)
+        log.warning("dflash_trt's CPU GEMM operator %s::linear is unavailable (%s)", namespace, exc)
         return False
-
-    @torch.library.register_fake("dflash_bf16::linear")
-    def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        return x.new_empty(*x.shape[:-1], n)
-
+    torch.library.register_fake(f"{namespace}::linear")(_linear_shape)
     return True
+
+
+def _linear_shape(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n)

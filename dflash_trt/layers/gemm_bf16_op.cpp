@@ -2,10 +2,10 @@
 // The bf16 GEMM of gemm_bf16.c as the torch operator dflash_bf16::linear(x, w_packed, bias, n),
 // registered with the dispatcher, so that a compiled round calls it as it calls aten::mm.
 //
-// Why: through a Python custom op and ctypes, each call of the kernel cost tens of microseconds of
-// Python (the op's wrapper, the packed weight's lookup, the ctypes call): with smollm2-135m's ~150
-// linears a decoding step, more than a third of a batch-1 step. The kernel itself is gemm_bf16.c,
-// included below unchanged (the C kernel's numerics, tiles and threads).
+// Why: through a Python custom op and ctypes, each call of the kernel cost Python around it (the op's
+// wrapper, the packed weight's lookup, the ctypes call): with smollm2-135m's 121 linears a decoding
+// step, a compiled batch-1 step ran 1.14-1.28x slower than with this operator (bench/README.md). The
+// kernel itself is gemm_bf16.c, included below unchanged (the C kernel's numerics, tiles and threads).
 // w: the packed weight [ceil(N/16), K/2, 16, 2] bf16 (cpu_gemm.pack); n: N, a whole number of blocks
 // (n = 16 * w.size(0)); x [..., K] bf16; bias [N] or None (read as fp32); out [..., N] bf16.
 // Built by dflash_trt/layers/cpu_gemm.py (g++ with AVX512-BF16 and OpenMP, torch's headers and libraries).
