@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""dflash-trt's own CPU GEMMs for decoding: two C kernels on one packed bf16 layout, and a C++ torch
-operator for fp32 weights (`dflash_f32::linear`, at the end of this module).
+"""dflash-trt's own CPU GEMMs for decoding: two C kernels on one packed bf16 layout, and C++ torch
+operators for fp32 weights (`dflash_f32::linear`) and for the bf16 kernel (`dflash_bf16::linear`), at
+the end of this module.
 
 Why. Decoding multiplies a handful of rows by every weight of the model: on a CPU the step is the
 time it takes to stream the weights from memory. Both kernels read a weight once per call whatever

@@ -100,7 +100,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T + bias; through the packed copy when `weight` is a placeholder, and through
-    `dflash_f32::linear` when it is an fp32 weight in that operator's layout (3-D)."""
+    `dflash_f32::linear` when it is an fp32 weight in that operator's layout (3-D), `dflash_bf16::linear`
+    when it is a bf16 weight in `cpu_gemm`'s layout (4-D)."""
     if weight.dim() == 3:
         return torch.ops.dflash_f32.linear(x, weight, bias, weight.shape[0] * cpu_gemm.BLOCK)
     if weight.dim() == 4:
