@@ -101,6 +101,21 @@ def _prompt_len(value: str) -> tuple[int, int]:
     help="DFlash 2: weight of the selector's K-way cross entropy.",
 )
 @click.option(
+    "--feature-scaling/--no-feature-scaling",
+    default=True,
+    show_default=True,
+    help="Train fc on the target's features divided by each channel's RMS, folded back into fc on export "
+    "(the checkpoint's layout is unchanged).",
+)
+@click.option(
+    "--loss-vocab",
+    type=click.Choice(["data", "full"]),
+    default="data",
+    show_default=True,
+    help="The softmax of the loss runs over every token the training samples hold (data), or over the "
+    "target's whole vocabulary (full). Drafting always uses the whole head.",
+)
+@click.option(
     "--num-anchors",
     type=click.IntRange(min=1),
     default=512,

@@ -275,13 +275,17 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], ctx_index, masks[key])
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., D] -> logits [..., V] through the target's LM head."""
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [..., D] -> logits [..., V] through the target's LM head; with `rows` ([V'] token ids,
+        training's loss vocabulary) only those columns, [..., V']."""
         assert self._head_weight is not None, "call bind_target() first"
+        head, bias = self._head_weight, self._head_bias
+        if rows is not None:
+            head, bias = head[rows], (bias[rows] if bias is not None else None)
         # As one 2-D matmul: a strided 3-D input (e.g. hidden[:, 1:]) makes F.linear on CPU fall back to
         # a bmm that first copies the whole [V, D] head per batch (seconds per round in bf16 at 150k vocab).
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(self._head_weight.dtype)
-        logits = linear(flat, self._head_weight, self._head_bias)
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(head.dtype)
+        logits = linear(flat, head, bias)
         logits = logits.view(*hidden.shape[:-1], -1)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier

@@ -213,6 +213,31 @@ def training_forward(
     return drafter.norm(x)
 
 
+@dataclass(frozen=True)
+class LossVocab:
+    """The tokens a training run's softmax runs over (`--loss-vocab data`): every token its samples hold.
+
+    A 16-slot block batch multiplies thousands of rows by the LM head, forward and backward; on a 49k
+    vocabulary (SmolLM2) that is most of a CPU step, and a target's own answers use a fifth of it."""
+
+    ids: torch.Tensor  # [V'] sorted token ids
+    lookup: torch.Tensor  # [V] the position of each token in `ids`, -1 for the rest
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, vocab_size: int) -> LossVocab:
+        ids = torch.unique(tokens.flatten())
+        lookup = torch.full((vocab_size,), -1, dtype=torch.long)
+        lookup[ids] = torch.arange(ids.numel())
+        return cls(ids, lookup)
+
+    def index(self, labels: torch.Tensor) -> torch.Tensor:
+        """Token ids -> their columns in the loss vocabulary (each must be in it)."""
+        idx = self.lookup.to(labels.device)[labels]
+        if bool((idx < 0).any()):
+            raise ValueError("a label is outside the loss vocabulary")
+        return idx
+
+
 @dataclass
 class LossStats:
     loss: float
@@ -232,11 +257,13 @@ def selector_terms(
     logits: torch.Tensor,
     labels: torch.Tensor,
     prev: torch.Tensor,
+    vocab: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selector's training objective on M supervised slots (dflash2.md §3, teacher-forced).
 
     hidden: [M, D] final-normed states; logits: [M, V]; labels: [M] the true tokens; prev: [M] the true
-    previous tokens (the anchor for slot 1). Candidates are the top-K of the logits, the label replacing
+    previous tokens (the anchor for slot 1). With `vocab` ([V] token ids) the logits' columns and the labels
+    index that loss vocabulary. Candidates are the top-K of the logits, the label replacing
     the weakest one when it is missing (so the K-way cross entropy always has its class).
     Returns (cross entropy [M], hit [M]: the pick is the label and the label was a real candidate,
     overturned [M]: the pick is not the logits' argmax).
@@ -255,7 +282,7 @@ def selector_terms(
     pair = pair_scores(
         F.embedding(prev, sel.predecessor_codebook)[:, None].float(),  # [M, 1, R]: one predecessor per row
         sel.project(hidden).float(),  # [M, R]
-        F.embedding(cand, sel.successor_codebook).float(),  # [M, K, R]
+        F.embedding(cand if vocab is None else vocab[cand], sel.successor_codebook).float(),  # [M, K, R]
     )  # [M, 1, K]
     scores = unary.float() + pair[:, 0]  # [M, K]
     ce = F.cross_entropy(scores, target, reduction="none")
@@ -264,13 +291,20 @@ def selector_terms(
 
 
 def dflash_loss(
-    drafter: DFlashDrafter, hidden: torch.Tensor, batch: BlockBatch, *, selector_weight: float = 1.0
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    batch: BlockBatch,
+    *,
+    selector_weight: float = 1.0,
+    vocab: LossVocab | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """hidden: [bs, N, B, D] -> (scalar loss = sum(w * CE) / sum(w), statistics). A DFlash 2 drafter adds
-    selector_weight * sum(w * CE_selector) / sum(w), its K-way cross entropy (`selector_terms`)."""
+    selector_weight * sum(w * CE_selector) / sum(w), its K-way cross entropy (`selector_terms`). With
+    `vocab` the softmax runs over that loss vocabulary, which holds every label, not the whole head."""
     sel = batch.weights > 0  # [bs, N, B]
     h = hidden[sel]  # [M, D]
-    labels = batch.labels[sel]  # [M]
+    labels = batch.labels[sel] if vocab is None else vocab.index(batch.labels[sel])  # [M]
+    ids = None if vocab is None else vocab.ids
     # the true previous token of slot j is the label of slot j - 1 (slot 0's label is the anchor)
     prev = torch.cat([batch.labels[..., :1], batch.labels[..., :-1]], dim=-1)[sel]  # [M]
     w = batch.weights[sel].float()  # [M]
@@ -282,11 +316,11 @@ def dflash_loss(
     losses, correct, sel_losses, sel_hits, overturned = [], [], [], [], []
     for start in range(0, h.shape[0], LOGIT_CHUNK_ROWS):
         rows = slice(start, start + LOGIT_CHUNK_ROWS)
-        logits = drafter.compute_logits(h[rows]).float()  # [m, V]
+        logits = drafter.compute_logits(h[rows], ids).float()  # [m, V]
         losses.append(F.cross_entropy(logits, labels[rows], reduction="none"))
         correct.append(logits.detach().argmax(-1) == labels[rows])
         if dflash2 is not None:
-            ce, hit, over = selector_terms(dflash2, h[rows], logits, labels[rows], prev[rows])
+            ce, hit, over = selector_terms(dflash2, h[rows], logits, labels[rows], prev[rows], ids)
             sel_losses.append(ce)
             sel_hits.append(hit)
             overturned.append(over)

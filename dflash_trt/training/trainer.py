@@ -6,7 +6,10 @@ The target is frozen and shares its embedding and LM head (also frozen) with the
 batch (no grad) to give the features at `target_layer_ids` (or they come from --feature-cache, computed
 once per sample); fresh anchors per sample and epoch;
 one training forward over all blocks (training.forward); the decayed cross entropy; AdamW with
-linear warm-up and cosine decay, gradient clip 1.0.
+linear warm-up and cosine decay, gradient clip 1.0. In a bf16 run the drafter's math runs under autocast
+(fp32 master weights) on every device; `fc` trains on per-channel scaled features, folded back on export
+(--feature-scaling, training/feature_scale.py); the softmax runs over the tokens the samples hold
+(--loss-vocab data, training.forward.LossVocab), drafting always over the whole head.
 
 Output directory (`--out`):
   config.json, model.safetensors   the drafter in the z-lab layout, rewritten at every checkpoint
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.reference.hf_target import HFTarget
     from dflash_trt.training.feature_cache import FeatureCache
+    from dflash_trt.training.forward import LossVocab
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,9 @@ RESUMABLE_CHANGES = frozenset(
     {"steps", "epochs", "out", "save_every", "log_every", "eval_prompts", "eval_data", "eval_max_new_tokens",
      "device", "regen_cache", "regen_batch_size", "feature_cache"}
 )  # fmt: skip
+# What a saved run that predates a field was trained with.
+LEGACY_VALUES: Mapping[str, Any] = {"feature_scaling": False, "loss_vocab": "full"}
+LOSS_VOCABS = ("data", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +84,10 @@ class TrainConfig:
     selector_rank: int | None = None  # DFlash 2; default 256
     selector_top_k: int | None = None  # DFlash 2; default 16
     selector_loss_weight: float = 1.0  # DFlash 2: weight of the selector's K-way cross entropy
+    feature_scaling: bool = True  # fc trains on per-channel scaled features (training/feature_scale.py)
+    loss_vocab: str = (
+        "data"  # the softmax over the training tokens' vocabulary, or the whole head (LossVocab)
+    )
     num_anchors: int = 512
     gamma: float = 7.0
     seq_len: int = 2048
@@ -257,6 +268,8 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.eval_prompts < 0, f"--eval-prompts={cfg.eval_prompts} must be >= 0", "0 skips the evaluation"),
         (not cfg.selector_loss_weight >= 0, f"--selector-loss-weight={cfg.selector_loss_weight} must be >= 0",
          "1.0 weighs the selector's cross entropy like the drafter's"),
+        (cfg.loss_vocab not in LOSS_VOCABS, f"--loss-vocab={cfg.loss_vocab!r} is not one of {LOSS_VOCABS}",
+         "data (the samples' tokens) or full (the whole head)"),
     ]  # fmt: skip
     for bad, message, hint in checks:
         if bad:
@@ -467,11 +480,12 @@ def _check_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     for key, value in current.items():
         if key in RESUMABLE_CHANGES or key == "resume":
             continue
-        if saved.get(key) != value:
+        before = saved.get(key, LEGACY_VALUES.get(key))
+        if before != value:
             flag = "--" + key.replace("_", "-")
             raise UsageError(
-                f"--resume: {flag}={value!r} differs from the saved run's {saved.get(key)!r}",
-                hint=f"pass {flag} {saved.get(key)!r} to continue that run, or use another --out",
+                f"--resume: {flag}={value!r} differs from the saved run's {before!r}",
+                hint=f"pass {flag} {before!r} to continue that run, or use another --out",
             )
 
 
@@ -543,14 +557,21 @@ class _Run:
     opt: torch.optim.Optimizer
     step: int
     features: FeatureCache | None = None  # --feature-cache
+    feature_scale: torch.Tensor | None = None  # [K * D]: fc's input scale while training (--feature-scaling)
+    vocab: LossVocab | None = None  # --loss-vocab data
 
     def checkpoint(self) -> None:
-        """Export the drafter (z-lab layout) and save drafter + optimizer + step for --resume."""
-        export_drafter(self.drafter, self.out, dtype=getattr(torch, self.cfg.save_dtype))
+        """Export the drafter (z-lab layout, the scale folded into fc) and save drafter + optimizer + step
+        (+ the feature scale) for --resume."""
+        from dflash_trt.training.feature_scale import folded
+
+        with folded(self.drafter, self.feature_scale):
+            export_drafter(self.drafter, self.out, dtype=getattr(torch, self.cfg.save_dtype))
         _save_state(
             self.out / STATE_FILE,
             {"step": self.step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-             "config": self.cfg.to_json(), "samples_digest": self.samples_digest},
+             "config": self.cfg.to_json(), "samples_digest": self.samples_digest,
+             "feature_scale": self.feature_scale},
         )  # fmt: skip
 
 
@@ -588,6 +609,8 @@ def train_drafter(
         total=total, pad_id=int(eos if eos is not None else 0), drafter=drafter, opt=opt, step=step,
         features=_feature_cache(cfg, pair),
     )  # fmt: skip
+    run.feature_scale = _feature_scale(run, saved)
+    run.vocab = _loss_vocab(run)
     _write_args(run, num_eval_prompts=len(prompts))
     history, last_loss = _train_loop(run, progress=progress, report=report)
     evaluation = _evaluate(run, prompts) if prompts else None
@@ -595,6 +618,31 @@ def train_drafter(
         out=out, steps=run.step, final_loss=last_loss, eval=evaluation, seconds=time.perf_counter() - t_start,
         log=history,
     )  # fmt: skip
+
+
+def _feature_scale(run: _Run, saved: dict[str, Any] | None) -> torch.Tensor | None:
+    """fc's input scale: the saved run's when resuming, else from the first batch's features."""
+    from dflash_trt.training.feature_scale import channel_scales
+
+    if not run.cfg.feature_scaling:
+        return None
+    if saved is not None:
+        return saved.get("feature_scale")
+    _, _, lengths, feats = _batch(run, 0)
+    return channel_scales(feats, lengths)
+
+
+def _loss_vocab(run: _Run) -> LossVocab | None:
+    """--loss-vocab data: every token of the training samples (a function of the samples alone, so a
+    resumed run gets the same one)."""
+    from dflash_trt.training.forward import LossVocab
+
+    if run.cfg.loss_vocab == "full":
+        return None
+    tokens = torch.tensor([t for s in run.samples for t in s.input_ids], dtype=torch.long)
+    vocab = LossVocab.of(tokens, int(run.pair.target.head()[0].shape[0]))
+    log.info("train-drafter: the loss runs over the %d tokens the samples hold", vocab.ids.numel())
+    return LossVocab(vocab.ids.to(run.pair.device), vocab.lookup.to(run.pair.device))
 
 
 def _feature_cache(cfg: TrainConfig, pair: _Pair) -> FeatureCache | None:
@@ -792,40 +840,58 @@ def _train_loop(
     return history, last_loss
 
 
+def _batch_samples(run: _Run, step: int) -> list[int]:
+    """The sample indices of step `step` (a seeded order per epoch)."""
+    epoch, pos = divmod(step, run.steps_per_epoch)
+    order = _sample_order(len(run.samples), seed=run.cfg.seed, epoch=epoch)
+    return order[pos * run.cfg.batch_size : (pos + 1) * run.cfg.batch_size]
+
+
+def _batch(run: _Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch on the device: (ids, loss mask, lengths, the target's features [bs, S, K * D])."""
+    dev = run.pair.device
+    idx = _batch_samples(run, step)
+    ids, mask, lengths = (t.to(dev) for t in _collate([run.samples[i] for i in idx], run.pad_id))
+    layer_ids = run.pair.dcfg.target_layer_ids
+    compute = lambda x: target_features(run.pair.target.model, x, layer_ids)  # noqa: E731
+    feats = (
+        compute(ids) if run.features is None
+        else run.features.batch([run.samples[i].input_ids for i in idx], ids, compute)
+    )  # fmt: skip
+    return ids, mask, lengths, feats
+
+
 def _train_step(run: _Run, *, warmup: int) -> tuple[Any, float, float, torch.Tensor]:
     """One optimizer step on the batch of run.step (its samples and anchors are fixed by seed,
     epoch and sample); advances run.step. Returns (loss stats, lr, gradient norm, the valid-block
     mask)."""
+    from dflash_trt.training.feature_scale import scale_features
     from dflash_trt.training.forward import dflash_loss, make_block_batch, sample_anchors, training_forward
     from dflash_trt.training.target_lm import lr_at
 
     cfg, dev, dt = run.cfg, run.pair.device, run.pair.dtype
     block = run.pair.dcfg.block_size
-    epoch, pos = divmod(run.step, run.steps_per_epoch)
-    order = _sample_order(len(run.samples), seed=cfg.seed, epoch=epoch)
-    idx = order[pos * cfg.batch_size : (pos + 1) * cfg.batch_size]
-    ids, mask, lengths = _collate([run.samples[i] for i in idx], run.pad_id)
+    epoch = run.step // run.steps_per_epoch
+    ids, mask, lengths, feats = _batch(run, run.step)
     anchors = [
         sample_anchors(
             mask[k], length=int(lengths[k]), block_size=block, num_anchors=cfg.num_anchors,
             generator=_anchor_generator(cfg.seed, epoch, i),
         )
-        for k, i in enumerate(idx)
+        for k, i in enumerate(_batch_samples(run, run.step))
     ]  # fmt: skip
-    ids, mask, lengths = ids.to(dev), mask.to(dev), lengths.to(dev)
     bb = make_block_batch(ids, mask, lengths, anchors, block_size=block, gamma=cfg.gamma)
-    layer_ids = run.pair.dcfg.target_layer_ids
-    compute = lambda x: target_features(run.pair.target.model, x, layer_ids)  # noqa: E731
-    feats = (  # [bs, S, K * D]
-        compute(ids) if run.features is None
-        else run.features.batch([run.samples[i].input_ids for i in idx], ids, compute)
-    )  # fmt: skip
+    feats = scale_features(feats, run.feature_scale)
     lr = lr_at(run.step, total=run.total, warmup=warmup, peak=cfg.lr, min_ratio=0.0)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    with torch.autocast(dev.type, dtype=dt, enabled=dev.type == "cuda" and dt != torch.float32):
+    # Mixed precision for the drafter in the target's dtype (fp32 master weights): on a CPU with bf16
+    # matmuls a smollm2-135m step takes ~0.6x the time of fp32 (bench/README.md, issue 42).
+    with torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32):
         hidden = training_forward(run.drafter, feats, ids, bb.anchors, bb.valid)
-        loss, stats = dflash_loss(run.drafter, hidden, bb, selector_weight=cfg.selector_loss_weight)
+        loss, stats = dflash_loss(
+            run.drafter, hidden, bb, selector_weight=cfg.selector_loss_weight, vocab=run.vocab
+        )
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), cfg.grad_clip))
