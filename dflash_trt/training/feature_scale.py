@@ -4,10 +4,11 @@
 A real target's tapped layers differ in magnitude by an order of magnitude (SmolLM2-135M: median channel
 RMS 1.3 at layer 1, 15 at layer 27) and a few channels by another (381 against 15 at layer 27). AdamW moves
 every weight of `fc` by about the same step, so a weight on a large channel moves the context vector tens
-of times further than one on a small channel: early training is noise on the large channels, and the
-drafter learns to ignore its context (position-1 accuracy stuck near a bigram model's).
+of times further than one on a small channel. Scaling the input makes those steps comparable. Measured on
+SmolLM2-135M (bench/README.md, 2026-12-06): the first 70 steps followed the unscaled run's curve step for
+step; its effect over a whole run was not isolated.
 
-The cure is a change of variables, not of architecture. Training keeps W' and feeds fc x / s, with
+It is a change of variables, not of architecture. Training keeps W' and feeds fc x / s, with
 s = each channel's RMS over the real tokens of the first batch; the exported fc holds W = W' / s
 (column-wise), so fc(x) = W x is exactly what was trained and the checkpoint keeps the z-lab layout
 every consumer (our engine, vLLM's `method: dflash`) loads. Position 0 is left out of the statistic: on

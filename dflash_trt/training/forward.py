@@ -262,7 +262,7 @@ def selector_terms(
     """The selector's training objective on M supervised slots (dflash2.md §3, teacher-forced).
 
     hidden: [M, D] final-normed states; logits: [M, V]; labels: [M] the true tokens; prev: [M] the true
-    previous tokens (the anchor for slot 1). With `vocab` ([V] token ids) the logits' columns and the labels
+    previous tokens (the anchor for slot 1). With `vocab` ([V'] token ids) the logits' columns and the labels
     index that loss vocabulary. Candidates are the top-K of the logits, the label replacing
     the weakest one when it is missing (so the K-way cross entropy always has its class).
     Returns (cross entropy [M], hit [M]: the pick is the label and the label was a real candidate,
