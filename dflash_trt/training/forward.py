@@ -225,14 +225,14 @@ class LossVocab:
 
     @classmethod
     def of(cls, tokens: torch.Tensor, vocab_size: int) -> LossVocab:
-        ids = torch.unique(tokens.flatten())
-        lookup = torch.full((vocab_size,), -1, dtype=torch.long)
-        lookup[ids] = torch.arange(ids.numel())
+        ids = torch.unique(tokens.flatten())  # on the tokens' device, as the lookup
+        lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+        lookup[ids] = torch.arange(ids.numel(), device=ids.device)
         return cls(ids, lookup)
 
     def index(self, labels: torch.Tensor) -> torch.Tensor:
         """Token ids -> their columns in the loss vocabulary (each must be in it)."""
-        idx = self.lookup.to(labels.device)[labels]
+        idx = self.lookup[labels]
         if bool((idx < 0).any()):
             raise ValueError("a label is outside the loss vocabulary")
         return idx

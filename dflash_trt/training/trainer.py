@@ -85,9 +85,7 @@ class TrainConfig:
     selector_top_k: int | None = None  # DFlash 2; default 16
     selector_loss_weight: float = 1.0  # DFlash 2: weight of the selector's K-way cross entropy
     feature_scaling: bool = True  # fc trains on per-channel scaled features (training/feature_scale.py)
-    loss_vocab: str = (
-        "data"  # the softmax over the training tokens' vocabulary, or the whole head (LossVocab)
-    )
+    loss_vocab: str = "data"  # the softmax over the samples' tokens, or the whole head (LossVocab)
     num_anchors: int = 512
     gamma: float = 7.0
     seq_len: int = 2048
@@ -628,7 +626,7 @@ def _feature_scale(run: _Run, saved: dict[str, Any] | None) -> torch.Tensor | No
         return None
     if saved is not None:
         return saved.get("feature_scale")
-    _, _, lengths, feats = _batch(run, 0)
+    _, _, lengths, feats = _batch(run, _batch_samples(run, 0))
     return channel_scales(feats, lengths)
 
 
@@ -639,10 +637,12 @@ def _loss_vocab(run: _Run) -> LossVocab | None:
 
     if run.cfg.loss_vocab == "full":
         return None
-    tokens = torch.tensor([t for s in run.samples for t in s.input_ids], dtype=torch.long)
+    tokens = torch.tensor(
+        [t for s in run.samples for t in s.input_ids], dtype=torch.long, device=run.pair.device
+    )
     vocab = LossVocab.of(tokens, int(run.pair.target.head()[0].shape[0]))
     log.info("train-drafter: the loss runs over the %d tokens the samples hold", vocab.ids.numel())
-    return LossVocab(vocab.ids.to(run.pair.device), vocab.lookup.to(run.pair.device))
+    return vocab
 
 
 def _feature_cache(cfg: TrainConfig, pair: _Pair) -> FeatureCache | None:
@@ -847,10 +847,9 @@ def _batch_samples(run: _Run, step: int) -> list[int]:
     return order[pos * run.cfg.batch_size : (pos + 1) * run.cfg.batch_size]
 
 
-def _batch(run: _Run, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step `step`'s batch on the device: (ids, loss mask, lengths, the target's features [bs, S, K * D])."""
+def _batch(run: _Run, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples `idx` as a batch on the device: (ids, loss mask, lengths, the target's features [bs, S, K * D])."""
     dev = run.pair.device
-    idx = _batch_samples(run, step)
     ids, mask, lengths = (t.to(dev) for t in _collate([run.samples[i] for i in idx], run.pad_id))
     layer_ids = run.pair.dcfg.target_layer_ids
     compute = lambda x: target_features(run.pair.target.model, x, layer_ids)  # noqa: E731
@@ -872,13 +871,14 @@ def _train_step(run: _Run, *, warmup: int) -> tuple[Any, float, float, torch.Ten
     cfg, dev, dt = run.cfg, run.pair.device, run.pair.dtype
     block = run.pair.dcfg.block_size
     epoch = run.step // run.steps_per_epoch
-    ids, mask, lengths, feats = _batch(run, run.step)
+    idx = _batch_samples(run, run.step)
+    ids, mask, lengths, feats = _batch(run, idx)
     anchors = [
         sample_anchors(
             mask[k], length=int(lengths[k]), block_size=block, num_anchors=cfg.num_anchors,
             generator=_anchor_generator(cfg.seed, epoch, i),
         )
-        for k, i in enumerate(_batch_samples(run, run.step))
+        for k, i in enumerate(idx)
     ]  # fmt: skip
     bb = make_block_batch(ids, mask, lengths, anchors, block_size=block, gamma=cfg.gamma)
     feats = scale_features(feats, run.feature_scale)
