@@ -204,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "decoding_type": "DFlash",
                 "max_draft_len": max_draft_len_for(block),
                 "speculative_model": str(ddir),
+                "max_concurrency": 1,  # the full block every round, as the reference drafts it
             },
             max_batch_size=1,
             max_seq_len=max(map(len, prompts)) + args.max_new_tokens + 2 * block,

@@ -333,6 +333,9 @@ def _speculative_config(job: _Job) -> tuple[dict[str, Any] | None, int]:
         "decoding_type": "DFlash",
         "max_draft_len": max_draft_len_for(b),
         "speculative_model": str(job.models.drafter_dir),
+        # every round drafts the block (a schedule for the one request this runs): the rounds and tau
+        # reported are this block's, as the reference loop's, not the load policy's choice
+        "max_concurrency": 1,
     }
     if job.mask_id is not None:
         spec["mask_token_id"] = job.mask_id

@@ -4,10 +4,12 @@
 With neither `draft_len_schedule` nor `max_concurrency` in the speculative config, the engine picks the
 draft length g per step among `auto_draft_lens(K)`: K, (K + 1) / 2 - 1, (K + 1) / 4 - 1 and 0 (plain
 decoding) by the rule of engine/round_policy.py: the most expected output tokens per second for the
-batch. A round at batch 1 always drafts K: it is mostly fixed per-operator cost there, the verify
-pass of K + 1 tokens costs about what one token's does, and the longest block accepts the most. At
-large batch the verify pass is compute-bound on a CPU (bench/README.md: a block of 16 at batch 16
-made `tiny` slower than plain decoding), so the choice backs off to shorter blocks or none.
+batch, at every batch size. On `tiny` a round at batch 1 is mostly fixed per-operator cost, the
+verify pass of K + 1 tokens costs about what one token's does, and the full block wins. On a real
+vocabulary it does not always: `smollm2-135m`'s verify of 16 tokens multiplies a 49152-row LM head
+and costs about two plain steps at batch 1, so a drafter that accepts little loses to plain decoding
+even alone (bench/README.md). At large batch the verify pass is compute-bound on a CPU (a block of 16
+at batch 16 made `tiny` slower than plain decoding), so the choice backs off to shorter blocks or none.
 
 What a round measures: the tau of its own draft length only (a shorter block is drafted by a pass
 of its own, whose drafts may differ from the longer block's first ones). Plain decoding's tau is 1.
@@ -34,7 +36,7 @@ def auto_draft_lens(max_draft_len: int) -> tuple[int, ...]:
 @dataclass
 class DraftLenPolicy(CostPolicy):
     """The draft length per step: from `schedule` (batch size -> g; None = chosen by cost among
-    `candidates`), K at batch 1. Feed it every round with `record`."""
+    `candidates`). Feed it every round with `record`."""
 
     max_draft_len: int = 0
     schedule: Callable[[int], int] | None = None  # the user's draft_len_schedule lookup
@@ -57,8 +59,6 @@ class DraftLenPolicy(CostPolicy):
     def fixed(self, batch_size: int) -> int | None:
         if self.schedule is not None:
             return int(self.schedule(batch_size))
-        if batch_size <= 1:  # before the override: a warm-up batch's last request alone compiles no new class
-            return self.max_draft_len
         return self.override
 
     def choose(self, batch_size: int, *, keep_block: bool = False) -> int:

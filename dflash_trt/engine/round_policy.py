@@ -25,16 +25,16 @@ seconds over the reference's average at the time. A machine whose load changes s
 the ratios stay right where absolute averages taken minutes apart would not; when the choice moves
 to another candidate, that one becomes the reference (the ratios are rebased).
 
-Exploration, deterministic: in a new bucket every candidate runs EXPLORE_ROUNDS measured rounds
-before any is exploited, the candidates taking turns (the one with the fewest rounds first, the
-biggest on a tie: a big DDTree's rounds measure the smaller trees' tau too), so that a machine whose
-load drifts slows them alike; a candidate's very first round is not measured (it may allocate or
-compile). Afterwards every `explore_every`-th step of a bucket re-measures another candidate: mostly
-a neighbour of the best (the next smaller and the next larger, in turn), since the rate rises then
-falls with the candidate's size and a better one shows first next to the best; every third time one
-of the others, in turn, so that a plateau (two candidates accepting alike) does not hide a better one
-further off. Ties go to the smaller candidate. No clock is read here: the engine passes the measured
-seconds in (tests pass their own).
+Exploration, deterministic: in a new bucket every candidate runs EXPLORE_ROUNDS measured rounds before
+any is exploited, the candidates taking turns (the one with the fewest rounds first, the biggest on a
+tie: a big DDTree's rounds measure the smaller trees' tau too), so that a machine whose load drifts
+slows them alike; a candidate's first round in a bucket is not measured (it may allocate or compile:
+batch 1 has compiled rounds of its own). Afterwards every `explore_every`-th step of a bucket re-
+measures another candidate: mostly a neighbour of the best (the next smaller and the next larger, in
+turn), since the rate rises then falls with the candidate's size and a better one shows first next to
+the best; every third time one of the others, in turn, so that a plateau (two candidates accepting
+alike) does not hide a better one further off. Ties go to the smaller candidate. No clock is read here:
+the engine passes the measured seconds in (tests pass their own).
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ class _Bucket:
     steps: int = 0  # choices made in this bucket
     turn: int = 0  # the next exploration neighbour
 
-    def add(self, candidate: int, seconds: float, *, measure: bool) -> None:
+    def add(self, candidate: int, seconds: float) -> None:
+        first = candidate not in self.seen  # a first round in a bucket may allocate or compile
         self.seen[candidate] = self.seen.get(candidate, 0) + 1
-        if not measure:
+        if first:
             return
         self.measured[candidate] = self.measured.get(candidate, 0) + 1
         if self.ref is None or self.ref_s is None:
@@ -127,7 +128,6 @@ class CostPolicy:
     override: int | None = None  # while set, every round runs this candidate (the engine's warm-up)
     _tau: dict[int, _Tau] = field(default_factory=dict)
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
-    _ran: set[int] = field(default_factory=set)  # candidates that ran at least one round
 
     @property
     def auto(self) -> bool:
@@ -200,11 +200,7 @@ class CostPolicy:
         return self.fixed(batch_size) is None
 
     def _record_cost(self, candidate: int, batch_size: int, seconds: float) -> None:
-        bucket = self._buckets.setdefault(batch_bucket(batch_size), _Bucket())
-        bucket.add(
-            candidate, seconds, measure=candidate in self._ran
-        )  # a first round may allocate or compile
-        self._ran.add(candidate)
+        self._buckets.setdefault(batch_bucket(batch_size), _Bucket()).add(candidate, seconds)
 
     def _add_tau(self, candidate: int, tokens: Sequence[int]) -> None:
         self._tau.setdefault(candidate, _Tau()).add(tokens)
@@ -214,4 +210,3 @@ class CostPolicy:
         replace eager ones: the costs measured before no longer hold)."""
         self._tau.clear()
         self._buckets.clear()
-        self._ran.clear()

@@ -12,10 +12,10 @@ from dflash_trt.models.checkpoint import save_drafter
 from tests.conftest import make_drafter, make_target
 
 BLOCK = 5
-# The small pair's warm-up shape classes (the default, automatic draft length): the full block at
-# batch 1 and the candidate draft lengths 4 and 0 at batch 2+, each greedy and sampled (6 round classes),
-# and the prefill pass at batch 1 and 2+ (2 classes).
-BATCH_1_CLASSES = 3  # with max_batch_size=1: the full block, greedy and sampled, and the prefill
+# The small pair's warm-up shape classes (the default, automatic draft length): the candidate draft
+# lengths 4 and 0 at batch 1 and at batch 2+, each greedy and sampled (8 round classes), and the prefill
+# pass at batch 1 and 2+ (2 classes).
+BATCH_1_CLASSES = 5  # with max_batch_size=1: both draft lengths, greedy and sampled, and the prefill
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 2]]
 SP = SamplingParams(max_tokens=40, ignore_eos=True)
 

@@ -18,7 +18,7 @@ from dflash_trt.engine import compile as compile_mod
 from dflash_trt.engine import precompile
 from tests.engine.conftest import PROMPTS, SP, small_llm, tokens
 
-CLASSES = 8  # the warm-up's shape classes of the small pair (conftest.py), the two prefill classes included
+CLASSES = 10  # the warm-up's shape classes of the small pair (conftest.py), the two prefill classes included
 
 
 class FakeChild:

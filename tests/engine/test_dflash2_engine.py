@@ -200,7 +200,8 @@ def test_compiled_dflash2_round_equals_reference(random_pairs):
     use_cache_root(None, torch.device("cpu"))  # as LLM does: a warm cache makes this seconds of tracing
     tdir, ddir, model = random_pairs("plain")
     engine = build_engine(
-        target_dir=tdir, drafter_dir=ddir, spec=DFlashDecodingConfig(max_draft_len=BLOCK - 1), tokenizer=None,
+        target_dir=tdir, drafter_dir=ddir, tokenizer=None,
+        spec=DFlashDecodingConfig(max_draft_len=BLOCK - 1, max_concurrency=2),  # the full block, as the reference
         config=EngineConfig(max_batch_size=2, max_seq_len=64), device=torch.device("cpu"), dtype=torch.float32,
     )  # fmt: skip
     engine.executor.enable_compile()

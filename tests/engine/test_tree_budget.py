@@ -20,7 +20,7 @@ TAUS = {0: 4, S: 4, M: 5, L: 6}
 # The first bucket: the candidates in turn, biggest first, once unmeasured (a budget's first round)
 # and EXPLORE_ROUNDS times measured; a later bucket: only the measured turns.
 EXPLORATION = [L, M, S, 0] * (1 + EXPLORE_ROUNDS)
-NEW_BUCKET = [L, M, S, 0] * EXPLORE_ROUNDS
+NEW_BUCKET = EXPLORATION  # a first round in any bucket is not measured (it may compile)
 
 
 def feed(policy: BudgetPolicy, n: int, steps: int, cost) -> list[int]:
@@ -126,29 +126,34 @@ def test_auto_is_not_fooled_by_a_load_change():
 def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
     """The engine times each round with its clock and feeds the policy. With a fake clock whose
     rounds cost a flat second alone and 0.5 s per verified row in a batch (a compute-bound verify;
-    a tree's rows 1 s, for its mask, walk and compaction), a request alone runs trees and a full batch
-    backs off to the chain, whose length the draft-length
+    a tree's rows 1 s, for its mask, walk and compaction; alone, a shorter chain or plain decoding 3 s), a
+    request alone runs trees and a full batch backs off to the chain, whose length the draft-length
     policy chooses as in linear DFlash. The per-round budgets reach the request metrics and the engine
     stats."""
     tdir, ddir, _ = pair
     with LLM(str(tdir), speculative_config=spec(ddir, tree_budget="auto"), max_batch_size=16,
              max_seq_len=256) as llm:  # fmt: skip
-        engine = llm.engine
+        engine, k = llm.engine, llm.engine.planner.max_draft_len
         rounds = fake_clock(
-            engine, lambda n, g, b: 1.0 if n == 1 else 1.0 + 0.5 * n * (2 * (b + 1) if b else g + 1)
+            engine,
+            lambda n, g, b: (
+                (1.0 if g == k else 3.0) if n == 1 else 1.0 + 0.5 * n * (2 * (b + 1) if b else g + 1)
+            ),
         )
         engine.planner.budgets.explore_every = 10_000  # no re-exploration (its own test above)
+        engine.planner.draft_lens.explore_every = 10_000
         sp = SamplingParams(max_tokens=120, return_perf_metrics=True)
         alone = llm.generate([1, 2, 3], sp).outputs[0].request_perf_metrics.speculative_decoding
-        assert alone.tree_budgets[: len(EXPLORATION)] == EXPLORATION  # exploration at batch 1
         assert alone.tree_budgets == [b for _, _, b in rounds]
-        assert all(b > 0 for b in alone.tree_budgets[len(EXPLORATION) :])
+        # at batch 1 the draft-length policy explores the chains too; its full-block rounds explore the trees
+        assert [b for _, g, b in rounds if g == k][: len(EXPLORATION)] == EXPLORATION
+        settled = rounds[len(EXPLORATION) + 3 * (1 + EXPLORE_ROUNDS) :]
+        assert settled and all(g == k and b > 0 for _, g, b in settled)
         assert llm.get_stats()["tree_budget"] > 0
         rounds.clear()
         llm.generate([[i % 12 + 1, 2] for i in range(16)], sp)
         # a full batch: the draft-length policy picks the chain's length; only full-block rounds may
         # verify a tree, and those back off to the chain once the new bucket's budgets were explored
-        k = engine.planner.max_draft_len
         full = [(g, b) for n, g, b in rounds if n == 16]
         block = [b for g, b in full if g == k]
         explored = block[: len(NEW_BUCKET)]  # the draft-length policy may leave the full block earlier

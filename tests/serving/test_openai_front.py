@@ -132,7 +132,9 @@ def test_completions_greedy_matches_generate(client, reference_texts) -> None:
     assert chunks[-1].choices == [] and usage is not None
     assert usage.completion_tokens == r.usage.completion_tokens
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finals) == 1 and finals[0].model_extra["dflash"]["num_rounds"] == stats["num_rounds"]
+    streamed = finals[0].model_extra["dflash"]  # its own rounds: the draft length follows measured costs
+    assert len(finals) == 1 and 1 <= streamed["num_rounds"] <= usage.completion_tokens
+    assert streamed["draft_tokens"] >= streamed["accepted_draft_tokens"] >= 0
 
 
 def test_chat_greedy_matches_generate_chat(client, reference_texts) -> None:
