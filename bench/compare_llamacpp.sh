@@ -41,7 +41,8 @@ CLI=$PWD/.venv/bin/dflash-trt
 PAIR=${PAIR:-tiny}; Q4_GGUF=
 case "$PAIR" in
   tiny) DATASET=bench/datasets/tiny-python-heldout.jsonl; GGUF_TYPE=f32 ;;
-  smollm2-135m) DATASET=bench/datasets/smollm2-chat-heldout.jsonl; GGUF_TYPE=bf16
+  smollm2-135m) DATASET=bench/datasets/smollm2-chat-heldout.jsonl; GGUF_TYPE=bf16  # its default decodes plainly:
+    DRAFTER=${DRAFTER:-$PWD/dflash_trt/assets/smollm2-135m/drafter}  # name the packaged v1 drafter
     Q4_GGUF=$(.venv/bin/python -c 'from dflash_trt.smollm2 import gguf_path; print(gguf_path())') || exit 1 ;;
   *) echo "error: PAIR=$PAIR is not a packaged pair; fix: PAIR=tiny or PAIR=smollm2-135m" >&2; exit 2 ;;
 esac
@@ -58,7 +59,7 @@ if [ ! -x "$LLAMA_SERVER" ] || { [ "$PAIR" = tiny ] && { [ ! -s "$TARGET_GGUF" ]
 fi
 if [ "$PAIR" = smollm2-135m ] && { [ ! -s "$TARGET_GGUF" ] || [ ! -s "$DRAFTER_GGUF" ]; }; then
   .venv/bin/python bench/smollm2_gguf.py --converter "$PEER_DIR" --target-gguf "$TARGET_GGUF" \
-    --drafter "${DRAFTER:-dflash_trt/assets/smollm2-135m/drafter}" --drafter-gguf "$DRAFTER_GGUF" || exit 1
+    --drafter "$DRAFTER" --drafter-gguf "$DRAFTER_GGUF" || exit 1
 fi
 mkdir -p "$OUT"
 COMMON=(--tokenizer "$PAIR" --dataset "$DATASET" --osl 128
@@ -69,7 +70,7 @@ wait_url() { for _ in $(seq 1 "$2"); do curl -sf -o /dev/null "$1" && return 0; 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "machine: $(uname -m), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), native bf16: $(grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo yes || echo no), load $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-tiny (v1)}${BASELINE_DRAFTER:+, baseline drafter: $BASELINE_DRAFTER}"
+  echo "ours: dflash-trt $("$CLI" --version | awk '{print $NF}'), $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), variants: $OURS, drafter: ${DRAFTER:-$PAIR (v1)}${BASELINE_DRAFTER:+, baseline drafter: $BASELINE_DRAFTER}"
   echo "peer: llama.cpp $("$LLAMA_SERVER" --version 2>&1 | grep -m1 -i version | xargs), -t $THREADS, $GGUF_TYPE GGUF ($TARGET_GGUF, $DRAFTER_GGUF), DFlash draft lengths: $DRAFTS${Q4_GGUF:+; for information: plain decoding of $Q4_GGUF}"
   echo "workload: $PAIR pair, $DATASET, 128 output tokens, greedy, ignore_eos, concurrency $CONC, $NREQ requests per point"
 } | tee "$OUT/config.txt"
