@@ -47,7 +47,7 @@ class DraftLenPolicy(CostPolicy):
         """K = max_draft_len; schedule: a function batch size -> draft length (the user's
         `draft_len_schedule` / `max_concurrency`), or None for the choice by cost."""
         return cls(candidates=auto_draft_lens(max_draft_len), max_draft_len=max_draft_len,
-                   schedule=schedule, last=max_draft_len)  # fmt: skip
+                   schedule=schedule, last=max_draft_len, monotone_cost=True)  # fmt: skip
 
     def tau(self, candidate: int) -> float | None:
         return 1.0 if candidate == 0 else super().tau(candidate)  # plain decoding: one token a round

@@ -33,8 +33,12 @@ batch 1 has compiled rounds of its own). Afterwards every `explore_every`-th ste
 measures another candidate: mostly a neighbour of the best (the next smaller and the next larger, in
 turn), since the rate rises then falls with the candidate's size and a better one shows first next to
 the best; every third time one of the others, in turn, so that a plateau (two candidates accepting
-alike) does not hide a better one further off. Ties go to the smaller candidate. No clock is read here:
-the engine passes the measured seconds in (tests pass their own).
+alike) does not hide a better one further off. Where a round's cost grows with its candidate
+(`monotone_cost`: the draft length), a new bucket explores one candidate after the other, the smallest
+first, and skips one whose tau, known from other buckets, cannot beat the best rate measured here even
+at the least cost it could have (that of the dearest smaller candidate measured here); the periodic re-
+measurement still visits it. Ties go to the smaller candidate. No clock is read here: the engine passes
+the measured seconds in (tests pass their own).
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ class CostPolicy:
     candidates: tuple[int, ...] = (0,)
     pinned: int | None = None
     explore_every: int = EXPLORE_EVERY
+    # costs grow with the candidate (a round drafting more tokens never costs less): a new bucket then
+    # explores the smallest first and skips a candidate whose bound cannot beat the best (`_hopeless`)
+    monotone_cost: bool = False
     last: int = 0  # the candidate of the latest round
     override: int | None = None  # while set, every round runs this candidate (the engine's warm-up)
     _tau: dict[int, _Tau] = field(default_factory=dict)
@@ -164,11 +171,14 @@ class CostPolicy:
         unexplored = [
             c
             for c in self.candidates
-            if bucket.measured.get(c, 0) < EXPLORE_ROUNDS or self.rate(c, batch_size) is None
+            if (bucket.measured.get(c, 0) < EXPLORE_ROUNDS or self.rate(c, batch_size) is None)
+            and not self._hopeless(c, bucket, batch_size)
         ]
         if unexplored:
-            # in turn: the fewest rounds first, the biggest candidate on a tie
-            self.last = min(unexplored, key=lambda c: (bucket.seen.get(c, 0), -c))
+            # in turn: the fewest rounds first, the biggest candidate on a tie; with monotone costs one
+            # after the other, the smallest first, so that the cheaper ones' costs can rule out the dearer
+            turn = (lambda c: c) if self.monotone_cost else (lambda c: (bucket.seen.get(c, 0), -c))
+            self.last = min(unexplored, key=turn)
             return self.last
         best = self.best(batch_size)
         bucket.rebase(best)  # the candidate in use is the one the others are measured against
@@ -177,6 +187,20 @@ class CostPolicy:
             return self.last
         self.last = best
         return best
+
+    def _hopeless(self, candidate: int, bucket: _Bucket, batch_size: int) -> bool:
+        """With monotone costs: whether `candidate`, unmeasured in this bucket, cannot beat the best
+        measured rate even at the cost of the dearest smaller candidate measured here (its least
+        possible cost), given its tau (known from other buckets). Not explored then: on a CPU at large
+        batch the full block's verify costs many plain steps, and a short burst of load is over before
+        exploring it pays back."""
+        tau = self.tau(candidate)
+        if not self.monotone_cost or tau is None:
+            return False
+        measured = [c for c in self.candidates if bucket.measured.get(c, 0) >= EXPLORE_ROUNDS]
+        floor = [s for c in measured if c < candidate and (s := bucket.seconds(c)) is not None]
+        rates = [r for c in measured if (r := self.rate(c, batch_size)) is not None]
+        return bool(floor and rates) and batch_size * tau / max(floor) < max(rates)
 
     def _explore(self, bucket: _Bucket, best: int) -> int:
         """The candidate an exploration step re-measures: two turns in three a neighbour of `best`,

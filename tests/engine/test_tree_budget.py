@@ -152,13 +152,14 @@ def test_auto_in_the_engine_with_an_injected_clock(pair):  # noqa: F811
         assert llm.get_stats()["tree_budget"] > 0
         rounds.clear()
         llm.generate([[i % 12 + 1, 2] for i in range(16)], sp)
-        # a full batch: the draft-length policy picks the chain's length; only full-block rounds may
-        # verify a tree, and those back off to the chain once the new bucket's budgets were explored
+        # a full batch: the draft-length policy picks the chain's length (it may rule the full block out
+        # unexplored: engine/round_policy.py); only full-block rounds may verify a tree, and those back off
+        # to the chain once the new bucket's budgets were explored
         full = [(g, b) for n, g, b in rounds if n == 16]
         block = [b for g, b in full if g == k]
         explored = block[: len(NEW_BUCKET)]  # the draft-length policy may leave the full block earlier
         assert explored == NEW_BUCKET[: len(explored)] and set(block[len(NEW_BUCKET) :]) <= {0}
-        assert {b for g, b in full if g != k} <= {0} and {g for g, _ in full} > {k}
+        assert {b for g, b in full if g != k} <= {0} and len(full) > 10 and all(b == 0 for _, b in full[-10:])
     assert llm.engine.planner.budgets.tau(L) >= llm.engine.planner.budgets.tau(S)
 
 
