@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the automatic draft length costs at start-up: compiled rounds of `tiny` with the block pinned
-(4 shape classes) and with the draft length chosen by load (10 classes), cold then warm.
+(4 shape classes) and with the draft length chosen by load (16 classes since batch 1 chooses too; 10
+before 2026-12-06), cold then warm.
 
 Each engine is built with compile=True and the compilation in the foreground, in this order: pinned,
 automatic, pinned, automatic, all on one compile cache (--cache-dir; default: a new temporary one, so
 the first two are cold). The automatic engine shares the pinned one's full-block classes, so its
-cold figure is the six extra classes only. Prints the configuration, then one line per engine:
+cold figure is the extra classes only. Prints the configuration, then one line per engine:
 seconds until LLM() returned, classes loaded from the cache, classes compiled.
 
     python bench/draft_len_start.py
