@@ -20,22 +20,15 @@ import urllib.request
 from pathlib import Path
 
 
-def rendered_prompts(tokenizer_name: str, dataset: Path, count: int) -> list[str]:
-    """The first `count` prompts of a JSONL dataset (`messages`, or `prompt` text), as sent."""
+def rendered_prompts(tokenizer_name: str, dataset: Path, count: int, max_tokens: int) -> list[str]:
+    """The first `count` prompts of a JSONL dataset as `bench sweep --protocol openai-completions` sends
+    them (its own `PromptSource`: chat records rendered with the tokenizer's template)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dflash_trt.bench.workload import load_tokenizer
+    from dflash_trt.bench.workload import PromptSource, WorkloadSpec, load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_name)
-    out = []
-    for line in dataset.read_text().splitlines()[:count]:
-        record = json.loads(line)
-        if "messages" in record:
-            out.append(
-                tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-            )
-        else:
-            out.append(record.get("prompt") or record["text"])
-    return out
+    spec = WorkloadSpec(dataset=str(dataset), osl=max_tokens)
+    source = PromptSource(spec, load_tokenizer(tokenizer_name), protocol="openai-completions")
+    return [str(source.get(i).text) for i in range(count)]
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int) -> str:
@@ -47,21 +40,12 @@ def complete(url: str, model: str, prompt: str, max_tokens: int) -> str:
 
 
 def fetch(args: argparse.Namespace) -> None:
-    prompts = rendered_prompts(args.tokenizer, args.dataset, args.count)
+    prompts = rendered_prompts(args.tokenizer, args.dataset, args.count, args.max_tokens)
     texts = [complete(args.url, args.model, p, args.max_tokens) for p in prompts]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".part")
     tmp.write_text(json.dumps({"url": args.url, "max_tokens": args.max_tokens, "texts": texts}, indent=1))
     os.replace(tmp, args.out)
-
-
-def common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -74,7 +58,9 @@ def compare(args: argparse.Namespace) -> None:
     for name in names[1:]:
         pairs = list(zip(runs[ref], runs[name]))
         same = sum(a == b for a, b in pairs)
-        prefix = sum(common_prefix(a, b) / max(1, len(a)) for a, b in pairs) / max(1, len(pairs))
+        # character by character is what is wanted here (texts, not paths)
+        common = [len(os.path.commonprefix([a, b])) / max(1, len(a)) for a, b in pairs]  # noqa: RUF071
+        prefix = sum(common) / max(1, len(pairs))
         print(f"  {name:32s} identical {same}/{len(pairs)}, common prefix {prefix:.0%} of {ref}'s characters")
 
 

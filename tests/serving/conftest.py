@@ -48,6 +48,20 @@ def build_bundle(out: Path, *extra: str) -> Path:
     return out
 
 
+def pin_full_block(bundle: Path) -> Path:
+    """Make the bundle's engine draft the full block at every batch size (`max_concurrency` = its
+    max_batch_size in model.yaml: TensorRT-LLM's schedule), as `generate` does. For tests that compare a
+    served request's rounds or tau with generate's or with another served run's: by default the draft
+    length follows measured costs, so it depends on what the engine served before."""
+    import yaml
+
+    model_yaml = bundle / "model_repository" / "tensorrt_llm" / "1" / "model.yaml"
+    config = yaml.safe_load(model_yaml.read_text())
+    config["speculative_config"]["max_concurrency"] = config["max_batch_size"]
+    model_yaml.write_text(yaml.safe_dump(config))
+    return bundle
+
+
 def start_server(repo: Path, *, bundle: Path | None = None, env: dict[str, str] | None = None):
     from dflash_trt.triton.server import TritonServer
 
@@ -105,8 +119,15 @@ def tiny_bundle(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_bundle):
-    srv = start_server(tiny_bundle / "model_repository", bundle=tiny_bundle)
+def pinned_tiny_bundle(tmp_path_factory) -> Path:
+    """`tiny`'s bundle drafting the full block at every batch size (`pin_full_block`)."""
+    return pin_full_block(build_bundle(tmp_path_factory.mktemp("bundles") / "tiny-pinned"))
+
+
+@pytest.fixture(scope="session")
+def server(pinned_tiny_bundle):
+    """Triton serving `tiny` with the full block pinned: its tests compare rounds with `generate`."""
+    srv = start_server(pinned_tiny_bundle / "model_repository", bundle=pinned_tiny_bundle)
     yield srv
     srv.stop()
 

@@ -18,9 +18,15 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
-from tests.serving.conftest import build_bundle, eventually, grpc_stream_request, http_generate, launch_serve
+from tests.serving.conftest import (
+    build_bundle,
+    eventually,
+    grpc_stream_request,
+    http_generate,
+    launch_serve,
+    pin_full_block,
+)
 
 pytestmark = pytest.mark.triton_server
 
@@ -43,13 +49,7 @@ def served2(tmp_path_factory):
     bundle = build_bundle(tmp_path_factory.mktemp("bundles") / "tiny-dflash2", "--drafter", "tiny-dflash2")
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["drafter"]["architecture"] == "DFlash2DraftModel"
-    # the full block at every batch size, as `generate` drafts it: the rounds reported must match its
-    # (by default the draft length is chosen by measured cost, alone too)
-    model_yaml = bundle / "model_repository" / "tensorrt_llm" / "1" / "model.yaml"
-    config = yaml.safe_load(model_yaml.read_text())
-    config["speculative_config"]["max_concurrency"] = config["max_batch_size"]
-    model_yaml.write_text(yaml.safe_dump(config))
-    proc, ports = launch_serve(bundle, openai=True)
+    proc, ports = launch_serve(pin_full_block(bundle), openai=True)  # rounds compared with generate's
     yield _Server(bundle, proc, ports)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=90)

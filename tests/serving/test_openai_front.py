@@ -70,10 +70,12 @@ def _stop(proc: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_bundle):
+def served(pinned_tiny_bundle):
+    """`serve` with the OpenAI front, the full block pinned: its tests compare rounds and tau across
+    requests and protocols."""
     http, grpc, metrics, oai = free_ports(4)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(tiny_bundle), "--http-port", str(http),
+        [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(pinned_tiny_bundle), "--http-port", str(http),
          "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(oai), "--quiet"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -132,9 +134,7 @@ def test_completions_greedy_matches_generate(client, reference_texts) -> None:
     assert chunks[-1].choices == [] and usage is not None
     assert usage.completion_tokens == r.usage.completion_tokens
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    streamed = finals[0].model_extra["dflash"]  # its own rounds: the draft length follows measured costs
-    assert len(finals) == 1 and 1 <= streamed["num_rounds"] <= usage.completion_tokens
-    assert streamed["draft_tokens"] >= streamed["accepted_draft_tokens"] >= 0
+    assert len(finals) == 1 and finals[0].model_extra["dflash"]["num_rounds"] == stats["num_rounds"]
 
 
 def test_chat_greedy_matches_generate_chat(client, reference_texts) -> None:
