@@ -256,7 +256,6 @@ class StaticRound:
             starts=torch.ones(bs, dtype=i64, device=dev),  # padding rows: one garbage token at position 0
             block_lens=torch.ones(bs, dtype=i64, device=dev),
             tables=torch.zeros(bs, width, dtype=i64, device=dev),
-            num_pending=torch.zeros(bs, dtype=i64, device=dev),
             rows=torch.zeros(bs, dtype=i64, device=dev),
             seeds=torch.zeros(bs, dtype=i64, device=dev),
             temps=torch.zeros(bs, dtype=torch.float32, device=dev),
@@ -308,9 +307,8 @@ class StaticRound:
         b = self.buf
         b.starts.fill_(1)
         b.block_lens.fill_(1)
-        b.num_pending.zero_()
         b.tables.zero_()
-        b.rows.fill_(self.executor.parts.max_batch_size)  # the spare pending row
+        b.rows.fill_(self.executor.parts.max_batch_size)  # the spare row of the per-request buffers
 
     def run(self, inputs: RoundInputs) -> torch.Tensor:
         """Copy the batch's rows in (the rest stay padding), run, and return the batch's rows."""

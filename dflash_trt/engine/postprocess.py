@@ -49,7 +49,6 @@ def commit_tokens(
     tokens = new[:produced]
     req.output_ids.extend(tokens)
     if not first:
-        req.num_pending = produced
         req.acceptance_lengths.append(produced)
         req.num_accepted_draft_tokens += min(accepted, produced)
     old_text = req.text

@@ -92,7 +92,6 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the caches
     cached_tokens: int = 0  # of them, found in the prefix cache (not prefilled by this request)
     reserved_pages: int = 0  # the pages it was admitted with (kept for its metrics after it ends)
-    num_pending: int = 0  # committed tokens whose target features are not yet in the draft cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # speculative statistics

@@ -1,28 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 """One DFlash round as a function of explicit inputs: `RoundParts` (the models, their KV caches, the
-pending context, the drafting backend), one `RoundInputs` (the batch, built once from the scheduled
+drafting backend), one `RoundInputs` (the batch, built once from the scheduled
 requests) and a `RoundShape` (draft length, tree budget, sampling flags).
 
 A chain round (`round_chain`), for bs sequences at anchor positions start_i with block length
 B_i <= Bq = g + 1:
-  1. inject the pending context (target features of the previous round's committed tokens) into
-     the draft cache — always, even when this round does not draft, so the draft cache never
-     falls behind;
-  2. draft g tokens per sequence in one block pass (block positions >= B_i hidden, which reproduces a
+  1. draft g tokens per sequence in one block pass (block positions >= B_i hidden, which reproduces a
      block of size B_i exactly); a DFlash 2 drafter's candidate selector walks its top-k candidates
      instead of taking each slot's argmax;
-  3. verify [anchor, drafts] with the target in one pass, writing K/V for the B_i valid tokens and
-     keeping the layer taps as the next round's pending context;
-  4. accept on device (greedy or lossless rejection sampling, DFlash 2's with q over the selector's
-     candidates; randomness keyed by position).
-A DDTree round (`round_tree`, tree budget N > 0; spec/tree.py) injects and drafts the same way, then:
+  2. verify [anchor, drafts] with the target in one pass, writing K/V for the B_i valid tokens and
+     keeping its layer taps;
+  3. accept on device (greedy or lossless rejection sampling, DFlash 2's with q over the selector's
+     candidates; randomness keyed by position);
+  4. inject the committed positions (the anchor and the a accepted drafts: their taps) into the draft
+     cache — always, even when the round drafts nothing, so that the draft cache never falls behind.
+     Only the g + 1 positions of this round's block are projected (one a sequence in a plain round),
+     not a whole block's: the injection costs what the round verifies. The emitted token's features
+     come with the next round, whose anchor it is.
+A DDTree round (`round_tree`, tree budget N > 0; spec/tree.py) drafts the same way, then:
   2b. builds each request's tree of N drafted nodes from the drafter's distributions (depth <= B_i - 1);
   3.  verifies the N + 1 nodes in one target pass under the ancestor-only mask, their K/V written to
       the scratch slots of cache columns start .. start + N (the scheduler reserves them);
   4.  picks the target's token at every node (argmax, or a sample keyed by the node's position) and
       walks the accepted path;
   5.  commits: the path's K/V move to the slots of positions start .. start + a (compaction), and the
-      path's layer taps become the next round's pending context.
+      path's layer taps are injected as the chain's are.
 The round returns its results stacked in one tensor (`stack`): the host reads back once per round.
 
 Every tensor of a round has a static shape given (bs, g, tree budget, context pages), and the code has
@@ -84,8 +86,7 @@ class RoundInputs(NamedTuple):
     starts: torch.Tensor  # [bs] anchor positions (= tokens in the target cache)
     block_lens: torch.Tensor  # [bs] B_i <= g + 1
     tables: torch.Tensor  # [bs, W] block tables, padded with page 0
-    num_pending: torch.Tensor  # [bs] valid rows of each request's pending context
-    rows: torch.Tensor  # [bs] each request's row in the per-request buffers (RoundParts.pending_feats)
+    rows: torch.Tensor  # [bs] each request's row in the per-request buffers (RoundParts.penalties)
     seeds: torch.Tensor  # [bs] int64
     temps: torch.Tensor  # [bs] float32
     top_k: torch.Tensor  # [bs]
@@ -106,7 +107,6 @@ class RoundInputs(NamedTuple):
             starts=torch.tensor([s.start for s in reqs], device=device),
             block_lens=torch.tensor(block_lens, device=device),
             tables=page_tables([s.pages for s in reqs], width, device),
-            num_pending=torch.tensor([s.num_pending for s in reqs], device=device),
             rows=torch.tensor([s.row for s in reqs], device=device),
             seeds=torch.tensor([s.seed for s in reqs], device=device),
             temps=torch.tensor([s.temperature for s in reqs], dtype=torch.float32, device=device),
@@ -186,8 +186,8 @@ class PhaseTimes:
 
 
 class RoundParts:
-    """What a round reads and writes besides its inputs: both models, both paged KV caches, the pending
-    context per request row, the drafting backend, and the round's fixed choices (uniforms and trees
+    """What a round reads and writes besides its inputs: both models, both paged KV caches, the drafting
+    backend, the penalty state per request row, and the round's fixed choices (uniforms and trees
     from dflash-trt's C++ operators on CPU). `round` and `prefill` are the code the executor runs
     eagerly, captures or compiles."""
 
@@ -228,11 +228,6 @@ class RoundParts:
                             else head.packed, head.bias)  # fmt: skip
         self.tap_layers = list(drafter.config.target_layer_ids)
         self.mask_token_id = drafter.mask_token_id
-        feature_dim = drafter.config.num_target_features * drafter.config.hidden_size
-        # Pending context per request row: target taps of the last round's tokens [rows + 1, B, K*D].
-        # The extra last row belongs to padding rows of static rounds.
-        self.pending_feats = torch.zeros(self.max_batch_size + 1, self.block_size, feature_dim,
-                                         dtype=drafter.fc.weight.dtype, device=self.device)  # fmt: skip
 
     def round(
         self,
@@ -240,7 +235,6 @@ class RoundParts:
         starts: torch.Tensor,
         block_lens: torch.Tensor,
         tables: torch.Tensor,
-        num_pending: torch.Tensor,
         rows: torch.Tensor,
         seeds: torch.Tensor,
         temps: torch.Tensor,
@@ -258,11 +252,9 @@ class RoundParts:
     ) -> torch.Tensor:
         """One round over the `RoundInputs` these tensors make (its fields, in order) -> `stack`'s
         [bs, 2g + 5] results."""
-        inputs = RoundInputs(anchors, starts, block_lens, tables, num_pending, rows, seeds, temps, top_k, top_p,
-                             greedy_draft, repetition, frequency, presence, min_p)  # fmt: skip
+        inputs = RoundInputs(anchors, starts, block_lens, tables, rows, seeds, temps, top_k, top_p, greedy_draft,
+                             repetition, frequency, presence, min_p)  # fmt: skip
         t_draft = self.phase_clock()
-        if self.drafter is not None:
-            inject(self, inputs)
         if budget > 0 and g > 0:
             return round_tree(self, inputs, g, flags, budget, t_draft)
         return round_chain(self, inputs, g, flags, t_draft)
@@ -498,7 +490,7 @@ def round_chain(p: RoundParts, x: RoundInputs, g: int, flags: Flags, t_draft: fl
         if drafted.proposal is not None:
             overturned = (drafted.proposal.overturned & d_valid).sum(dim=1)
     t_verify = p.phase_clock()
-    logits = _verify(p, x, drafted.tokens, blk)
+    logits, taps = _verify(p, x, drafted.tokens, blk)
     if flags[3]:
         logits = _penalize_block(p, x, logits, drafted.tokens)
     if p.guided is not None:
@@ -506,6 +498,7 @@ def round_chain(p: RoundParts, x: RoundInputs, g: int, flags: Flags, t_draft: fl
         logits = mask_logits(logits, bitmask.to(logits.device))
     t_accept = p.phase_clock()
     acc, emit = _accept(p, drafted, logits, blk, d_valid, sampling)
+    inject(p, x, taps, acc, blk.cap)
     if flags[3]:
         _count_committed(p, x, drafted.tokens, acc, emit)
     extras = _committed_logprobs(logits, drafted.tokens, acc, emit) if flags[4] else None
@@ -594,19 +587,24 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return torch.cat(cols, dim=-1).reshape(bs, -1)
 
 
-def inject(p: RoundParts, x: RoundInputs) -> None:
-    """KV injection: the previous round's committed tokens (their target taps, kept in pending_feats)
-    become draft-cache context. Rows >= num_pending go to the padding page."""
-    assert p.draft_cache is not None
-    cap = x.tables.shape[1] * p.page_size - 1
-    bs, w = x.starts.shape[0], p.pending_feats.shape[1]
-    r = torch.arange(w, device=x.starts.device)
-    ctx_pos = x.starts[:, None] - x.num_pending[:, None] + r  # [bs, w]
-    ctx_ok = r[None, :] < x.num_pending[:, None]
-    ctx_slots = torch.where(ctx_ok, slot_mapping(x.tables, ctx_pos.clamp(0, cap), p.page_size), 0)
-    feats = p.pending_feats[x.rows]  # [bs, w, K*D]
-    p.backend.drafting.inject_context(p.draft_cache, feats.reshape(bs * w, -1), ctx_pos.clamp(min=0).reshape(-1),
-                                      ctx_slots.reshape(-1))  # fmt: skip
+def inject(
+    p: RoundParts, x: RoundInputs, taps: torch.Tensor | None, accepted: torch.Tensor, cap: int
+) -> None:
+    """KV injection: the round's committed positions start .. start + accepted (the anchor and the
+    accepted drafts, their target taps [bs, n, K*D] in depth order) become draft-cache context; the
+    other n - 1 - accepted rows go to the padding page (cap: the last cache column the tables cover).
+    Nothing without a drafter."""
+    if taps is None or p.draft_cache is None:
+        return
+    bs, n = taps.shape[:2]
+    r = torch.arange(n, device=x.starts.device)
+    pos = x.starts[:, None] + r  # [bs, n]
+    slots = torch.where(
+        r[None, :] <= accepted[:, None], slot_mapping(x.tables, pos.clamp(max=cap), p.page_size), 0
+    )
+    p.backend.drafting.inject_context(
+        p.draft_cache, taps.reshape(bs * n, -1), pos.reshape(-1), slots.reshape(-1)
+    )
 
 
 def _draft_hidden(p: RoundParts, x: RoundInputs, blk: _Block) -> torch.Tensor:
@@ -702,28 +700,18 @@ def select(p: RoundParts, x: RoundInputs, blk: _Block, hidden: torch.Tensor, log
     return _Drafted(proposal.drafts, proposal=proposal)
 
 
-def _verify(p: RoundParts, x: RoundInputs, drafts: torch.Tensor, blk: _Block) -> torch.Tensor:
-    """One target pass over [anchor, drafts] writes the B_i valid tokens' K/V and keeps the layer
-    taps as the next round's pending context -> logits [bs, Bq, V]."""
+def _verify(
+    p: RoundParts, x: RoundInputs, drafts: torch.Tensor, blk: _Block
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target pass over [anchor, drafts] writes the B_i valid tokens' K/V -> logits [bs, Bq, V] and
+    the layer taps [bs, Bq, K*D] (None without a drafter)."""
     bq = blk.pos.shape[1]
     tokens = torch.cat([x.anchors[:, None], drafts], dim=1)  # [bs, Bq]
     blk_valid = torch.arange(bq, device=x.anchors.device)[None, :] < x.block_lens[:, None]  # [bs, Bq]
     kv_slots = torch.where(blk_valid, slot_mapping(x.tables, blk.pos.clamp(max=blk.cap), p.page_size), 0)
     logits, taps = p.target(tokens, blk.pos, x.starts + x.block_lens, p.target_cache, kv_slots, blk.ctx_idx,
                             tap_layers=p.tap_layers, paged=True)  # fmt: skip
-    _keep_pending(p, taps, x.rows)  # logits [bs, Bq, V]; taps [bs, Bq, K*D]
-    return logits
-
-
-def _keep_pending(p: RoundParts, taps: torch.Tensor | None, rows: torch.Tensor) -> None:
-    """taps [bs, n, K*D] of the round's committed positions (anchor first) -> the requests' rows of
-    pending_feats, injected into the draft cache next round (rows beyond the committed count are
-    never read: num_pending says how many are)."""
-    if taps is not None:
-        # One index_put_ over (row, column), not a copy into the slice pending_feats[:, :n]: inductor
-        # in torch 2.11 cannot match that slice's size against the taps' (the round failed to compile).
-        cols = torch.arange(taps.shape[1], device=taps.device)
-        p.pending_feats.index_put_((rows[:, None], cols[None, :]), taps.to(p.pending_feats.dtype))
+    return logits, taps
 
 
 def _verify_tree(p: RoundParts, tree: DraftTree, x: RoundInputs,
@@ -754,14 +742,14 @@ def _accept_tree(p: RoundParts, tree: DraftTree, logits: torch.Tensor, x: RoundI
 def _commit_tree(p: RoundParts, walk: TreeWalk, node_slots: torch.Tensor, taps: torch.Tensor | None,
                  x: RoundInputs, cap: int) -> None:  # fmt: skip
     """Compaction: the accepted path's K/V move from their scratch slots to the slots of positions
-    start .. start + a; the path's taps become the pending context (as the chain's would)."""
+    start .. start + a; the path's taps are injected as the chain's are."""
     g1 = walk.path_nodes.shape[1]
     cols = x.starts[:, None] + torch.arange(g1, device=x.starts.device)
     dest = slot_mapping(x.tables, cols.clamp(max=cap), p.page_size)  # [bs, g + 1]
     src, dst = commit_slots(walk, node_slots, dest)
     p.target_cache.copy_slots(src.reshape(-1), dst.reshape(-1))
     if taps is not None:
-        _keep_pending(p, gather_path(taps, walk.path_nodes), x.rows)
+        inject(p, x, gather_path(taps, walk.path_nodes), walk.accepted, cap)
 
 
 def _accept(p: RoundParts, drafted: _Drafted, logits: torch.Tensor, blk: _Block, d_valid: torch.Tensor,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_trt import LLM, SamplingParams
@@ -143,3 +144,51 @@ def test_warm_up_runs_every_draft_length_and_leaves_no_measurement(pair):  # noq
     assert (
         policy.round_seconds(k, 2) is None and len(engine.warm_up_classes()) == len(expected) + 2
     )  # + prefill, batch 1 and 2+
+
+
+def _spy_injections(engine) -> list[tuple[int, int, list[int], list[int]]]:
+    """Per decode round: (batch size, drafts, the rows the round projected into the draft cache, the
+    positions it expected committed: start .. start + accepted of each request)."""
+    rounds: list[tuple[int, int, list[int], list[int]]] = []
+    drafting = engine.runner.parts.backend.drafting
+    inject, run = drafting.inject_context, engine.runner.decode_round
+    projected: list[int] = []
+
+    def spy_inject(cache, features, positions, slots):
+        projected.extend(positions[slots != 0].tolist() + [-1] * int((slots == 0).sum()))
+        return inject(cache, features, positions, slots)
+
+    def spy_round(reqs, shape):
+        starts = [s.start for s in reqs]
+        projected.clear()
+        out = run(reqs, shape)
+        committed = [p for s, a in zip(starts, out.accepted, strict=True) for p in range(s, s + a + 1)]
+        rounds.append((len(reqs), shape.g, list(projected), committed))
+        return out
+
+    drafting.inject_context, engine.runner.decode_round = spy_inject, spy_round
+    return rounds
+
+
+@pytest.mark.parametrize("tree_budget", [None, 8])
+def test_a_round_injects_its_own_committed_positions_only(pair, tree_budget):  # noqa: F811
+    """KV injection runs after acceptance and projects the round's own block, g + 1 rows a request: a
+    round that drafts nothing projects one row a request (not a whole block's, the cost a drafting
+    engine's plain rounds used to pay), and exactly the committed positions reach the draft cache,
+    whatever the draft length does from round to round (chain and DDTree)."""
+    tdir, ddir, _ = pair
+    prompts = [[i % 12 + 1, 2, (3 * i) % 13] for i in range(8)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = {} if tree_budget is None else {"tree_budget": tree_budget}
+    with LLM(str(tdir), speculative_config=spec(ddir, **kw), max_batch_size=8, max_seq_len=128) as llm:
+        engine = llm.engine
+        rounds = _spy_injections(engine)
+        # a request alone drafts; plain decoding wins in a batch
+        fake_clock(engine, lambda n, g, _b: 1.0 + (0.0 if n == 1 else n * (g + 1) ** 2))
+        llm.generate(prompts, sp)
+    drafts = {g for _, g, _, _ in rounds}
+    # a DDTree engine drafts all along
+    assert max(drafts) > 0 and (tree_budget is not None or 0 in drafts), drafts
+    for n, g, projected, committed in rounds:
+        assert len(projected) == n * (g + 1), (n, g, len(projected))
+        assert sorted(p for p in projected if p >= 0) == sorted(committed), (n, g)
