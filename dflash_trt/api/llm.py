@@ -86,9 +86,10 @@ class LLM:
     dflash-trt additions: device ('auto'|'cpu'|'cuda'), dtype ('auto'|'float32'|'bfloat16'),
     enforce_eager (no CUDA graphs), profile (synchronise to time the round's phases), use_plugins
     (the dflash:: Triton kernels for KV injection, block attention and acceptance; default: on for
-    CUDA when triton is installed, False forces the PyTorch path), cpu_threads (torch's intra-op
-    threads on CPU, process-wide; default: 1 for a model whose weights stay in the CPU's caches when
-    OMP_NUM_THREADS is unset, else torch's own default; see `cpu_threads_for`), compile (torch.compile the round with
+    CUDA when triton is installed, False forces the PyTorch path), cpu_threads (the cores a step may
+    use on CPU, process-wide; default: 1 for a model whose weights stay in the CPU's caches when
+    OMP_NUM_THREADS is unset, else torch's own default; see `cpu_threads_for`; where dflash-trt's bf16
+    GEMM runs the linears, it alone uses them all and torch runs on one, layers/cpu_gemm.engine_threads), compile (torch.compile the round with
     inductor; the compilation runs here, before the first request: tens of seconds on CPU),
     wedge_timeout_s (the watchdog: an engine step that makes no progress this long while requests are
     pending kills the engine; None turns the watchdog off).
@@ -144,7 +145,7 @@ class LLM:
         if max_seq_len is None:
             max_seq_len = min(tcfg.max_position_embeddings or 4096, 4096)
         self.dtype = dtype_for(None if dtype == "auto" else dtype, self.device, tcfg)
-        self.cpu_threads = _set_cpu_threads(self.device, tcfg.num_step_parameters(), cpu_threads)
+        self.cpu_threads = _set_cpu_threads(self.device, self.dtype, tcfg.num_step_parameters(), cpu_threads)
         self.engine_config = _engine_config(
             max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
             kv_cache_config=kv_cache_config, cuda_graph_config=cuda_graph_config, enforce_eager=enforce_eager,
@@ -741,18 +742,23 @@ def _tokenizer(tokenizer: str | Path | Any | None, target_dir: Path) -> Any | No
     return tokenizer if tokenizer is not None else load_tokenizer(target_dir)
 
 
-def _set_cpu_threads(device: Any, num_step_parameters: int, requested: int | None) -> int | None:
-    """Apply the CPU thread policy; return the engine thread's count (None off the CPU)."""
+def _set_cpu_threads(device: Any, dtype: Any, num_step_parameters: int, requested: int | None) -> int | None:
+    """Apply the CPU thread policy: `cpu_threads_for` gives the cores a step may use, and
+    layers/cpu_gemm.engine_threads how torch and dflash-trt's GEMM share them. Returns torch's count
+    for the engine thread (None off the CPU)."""
     import torch
+
+    from dflash_trt.layers import cpu_gemm
 
     if requested is not None and requested < 1:
         raise ConfigError("cpu_threads", requested, "must be >= 1", hint="pass 1 or more, or leave it unset")
     if device.type != "cpu":
         return None
-    threads = cpu_threads_for(num_step_parameters, requested)
-    if threads is not None and threads != torch.get_num_threads():
+    budget = cpu_threads_for(num_step_parameters, requested) or cpu_gemm.threads()
+    threads = cpu_gemm.engine_threads(dtype, budget)
+    if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
-    return torch.get_num_threads()
+    return threads
 
 
 def _engine_config(

@@ -396,6 +396,7 @@ def _environment() -> dict[str, Any]:
     import torch
 
     from dflash_trt import __version__
+    from dflash_trt.layers import cpu_gemm
 
     return {
         "dflash_trt": __version__,
@@ -404,6 +405,7 @@ def _environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
+        "gemm_threads": cpu_gemm.threads(),  # dflash-trt's bf16 GEMM's own (layers/cpu_gemm.engine_threads)
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d"),
     }

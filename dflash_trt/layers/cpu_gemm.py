@@ -120,7 +120,7 @@ def _whole_blocks(dense: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, weight: BlockedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype (bf16 or fp32), on torch's thread count."""
+    """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype (bf16 or fp32), on `threads()`."""
     kernel = KERNELS.get(x.dtype)
     entry = None if kernel is None else _entry(kernel)
     if kernel is None or entry is None:
@@ -133,7 +133,7 @@ def gemm(x: torch.Tensor, weight: BlockedWeight, bias: torch.Tensor | None) -> t
     b = None if bias is None else bias.to(torch.float32).contiguous()
     if flat.shape[0]:
         entry(flat.data_ptr(), flat.shape[0], weight.k, weight.data.data_ptr(), weight.n,
-              None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())  # fmt: skip
+              None if b is None else b.data_ptr(), out.data_ptr(), threads())  # fmt: skip
     return out.view(*x.shape[:-1], weight.n)
 
 
@@ -202,6 +202,43 @@ def bf16_op_available() -> bool:
     )
 
 
+# --- threads ------------------------------------------------------------------------------------------
+# The bf16 kernel takes a thread count apart from torch's: an engine whose linears all run through
+# `dflash_bf16::linear` keeps torch (inductor's kernels, attention) on one thread and lets the kernel
+# use every core for a product of many rows (gemm_bf16.c decides by the rows). Set once, process-wide;
+# the operator holds its own copy, so that a compiled round never sees it (`engine_threads`).
+_threads = 0  # 0: torch's thread count
+_LOADED: set[str] = set()  # the operators' namespaces loaded in this process
+
+
+def threads() -> int:
+    """The most threads the bf16 kernels use for a product of many rows."""
+    return _threads or torch.get_num_threads()
+
+
+def set_threads(n: int) -> None:
+    """Let the bf16 kernels use up to `n` threads (0: torch's count, read at each call)."""
+    global _threads
+    if n < 0:
+        raise ValueError(f"set_threads: n={n}; pass 0 (torch's count) or more")
+    _threads = n
+    if "dflash_bf16" in _LOADED:
+        torch.ops.dflash_bf16.set_threads(n)
+
+
+def engine_threads(dtype: torch.dtype, budget: int) -> int:
+    """torch's thread count for an engine that may use `budget` cores, with the kernels' count set:
+    1 when its bf16 linears run through `dflash_bf16::linear` (the kernel then takes the budget),
+    else `budget` (oneDNN's and MKL's GEMMs run on torch's threads). On smollm2-135m (2-core AMD EPYC)
+    the split ran plain decoding 1.1-1.2x faster at batch 1 and ~1.5x at batch 16 than two threads
+    for everything (bench/README.md, "One thread for the step's small operators")."""
+    if budget > 1 and dtype == torch.bfloat16 and bf16_op_available():
+        set_threads(budget)
+        return 1
+    set_threads(0)
+    return budget
+
+
 def _runs_here(needs: frozenset[str]) -> bool:
     """The switch is on, and this is an x86-64 CPU with the flags `needs`."""
     if os.environ.get(SWITCH_ENV, "1") == "0":
@@ -222,6 +259,9 @@ def _load_linear_op(namespace: str, source: str, flags: tuple[str, ...], *includ
         log.warning("dflash_trt's CPU GEMM operator %s::linear is unavailable (%s)", namespace, exc)
         return False
     torch.library.register_fake(f"{namespace}::linear")(_linear_shape)
+    _LOADED.add(namespace)
+    if namespace == "dflash_bf16":
+        torch.ops.dflash_bf16.set_threads(_threads)
     return True
 
 

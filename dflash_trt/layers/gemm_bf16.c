@@ -53,13 +53,22 @@ TILE(2, 1)
 TILE(4, 1)
 TILE(8, 1)
 
+// A product of fewer rows runs on one thread: it streams the weight, and beside a decoding step's
+// single-threaded operators a second thread's fork, join and spinning cost more than its share of the
+// reads (smollm2-135m, 2-core AMD EPYC: plain decoding at batch 1 ran 1.1-1.2x faster with every
+// operator on one thread). From this many rows the multiply-adds dominate and the threads pay
+// (bench/README.md, "One thread for the step's small operators").
+#define DFLASH_GEMM_WIDE_ROWS 8
+
 // x: [M, K] row-major (K even), w: packed as above, bias: [N] fp32 or NULL, y: [M, N] row-major.
+// threads: the most threads a product of DFLASH_GEMM_WIDE_ROWS rows or more may use.
 void dflash_gemm_bf16(const uint16_t *x, long M, long K, const uint16_t *w, long N, const float *bias,
                       uint16_t *y, int threads) {
   const long blocks = (N + 15) / 16;
   const long wide = M >= 8 ? 2 : 4;  // blocks per tile: 16 accumulators at most
   const long tasks = (blocks + wide - 1) / wide;
-#pragma omp parallel for num_threads(threads) schedule(static)
+  const int team = M >= DFLASH_GEMM_WIDE_ROWS ? threads : 1;
+#pragma omp parallel for num_threads(team) schedule(static)
   for (long t = 0; t < tasks; t++) {
     const long b0 = t * wide, nblk = blocks - b0 < wide ? blocks - b0 : wide;
     for (long m = 0; m < M;) {

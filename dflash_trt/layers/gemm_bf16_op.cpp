@@ -13,11 +13,22 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+
 extern "C" {
 #include "gemm_bf16.c"
 }
 
 namespace {
+
+// The threads a product of many rows may use (gemm_bf16.c), set by cpu_gemm.set_threads. Not an
+// argument of linear: a compiled round would hold it as a constant, and it is the process's setting.
+std::atomic<int64_t> wide_threads{0};  // 0: torch's thread count
+
+void set_threads(int64_t n) {
+  TORCH_CHECK(n >= 0, "dflash_bf16::set_threads: n=", n, " (0 = torch's thread count)");
+  wide_threads.store(n);
+}
 
 at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias, int64_t n) {
   const char *op = "dflash_bf16::linear: ";
@@ -36,7 +47,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
     dflash_gemm_bf16(reinterpret_cast<const uint16_t *>(flat.data_ptr()), flat.size(0), flat.size(1),
                      reinterpret_cast<const uint16_t *>(w.data_ptr()), n,
                      b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t *>(out.data_ptr()),
-                     at::get_num_threads());
+                     static_cast<int>(wide_threads.load() > 0 ? wide_threads.load() : at::get_num_threads()));
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
@@ -45,6 +56,9 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
 
 }  // namespace
 
-TORCH_LIBRARY(dflash_bf16, m) { m.def("linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor"); }
+TORCH_LIBRARY(dflash_bf16, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("set_threads(int n) -> ()", &set_threads);
+}
 
 TORCH_LIBRARY_IMPL(dflash_bf16, CPU, m) { m.impl("linear", &linear); }

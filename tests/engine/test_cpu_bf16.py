@@ -213,9 +213,19 @@ def test_gemm_attention_equals_float32_sdpa(t, sinks) -> None:
     assert torch.allclose(got.float()[ok], want[ok], atol=3e-2, rtol=3e-2)
 
 
-def test_bf16_engine_is_lossless_and_runs_packed() -> None:
+@pytest.fixture
+def threads_restored():
+    """torch's thread count and the bf16 kernels' own, as they were before the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+    cpu_gemm.set_threads(0)
+
+
+def test_bf16_engine_is_lossless_and_runs_packed(threads_restored) -> None:
     """tiny in bfloat16: greedy DFlash output equals plain greedy output of the same bf16 target,
-    batched and alone, with every linear prepacked."""
+    batched and alone, with every linear prepacked. The DFlash engine is given two cores: where
+    dflash-trt's bf16 GEMM runs, it takes both for its wide products and torch runs on one."""
     from dflash_trt.tiny import heldout_prompts
 
     tiny = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"}
@@ -223,9 +233,13 @@ def test_bf16_engine_is_lossless_and_runs_packed() -> None:
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     with LLM("tiny", dtype="bfloat16", compile=False) as plain:
         assert plain.engine.packed_weights == 4 * 12 + 1  # tiny: 12 layers, tied head
+        assert plain.cpu_threads == 1 == cpu_gemm.threads()  # tiny's weights stay in the caches: one core
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    with LLM("tiny", dtype="bfloat16", compile=False, speculative_config=tiny, max_batch_size=4) as llm:
+    with LLM("tiny", dtype="bfloat16", compile=False, speculative_config=tiny, max_batch_size=4,
+             cpu_threads=2) as llm:  # fmt: skip
         assert llm.engine.packed_weights > 4 * 12 + 1  # the drafter's too
+        split = cpu_gemm.bf16_op_available()
+        assert (llm.cpu_threads, cpu_gemm.threads()) == ((1, 2) if split else (2, 2))
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         alone = llm.generate(prompts[1], sp).outputs[0].token_ids
         stats = llm.generate(
@@ -259,3 +273,26 @@ def test_the_bf16_operator_is_the_kernel_and_whole_blocks_only_take_it(m) -> Non
         assert torch.equal(torch.ops.dflash_bf16.linear(x, packed.data, b, 96), cpu_gemm.gemm(x, packed, b))
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.dflash_bf16.linear(x[..., :32], packed.data, None, 96)
+
+
+@pytest.mark.parametrize("m", [1, 7, 8, 40])
+def test_the_bf16_kernels_threads_are_their_own_and_change_no_bit(m, threads_restored) -> None:
+    """`engine_threads` gives the cores to dflash-trt's bf16 GEMM and one to torch where the operator
+    runs, all to torch elsewhere (oneDNN and MKL run on torch's threads) and for fp32; the kernel's
+    results do not depend on its thread count (each thread owns whole output blocks)."""
+    assert cpu_gemm.engine_threads(torch.float32, 2) == 2 and cpu_gemm.threads() == torch.get_num_threads()
+    with pytest.raises(ValueError, match="n=-1"):
+        cpu_gemm.set_threads(-1)
+    if not cpu_gemm.bf16_op_available():
+        assert cpu_gemm.engine_threads(torch.bfloat16, 2) == 2
+        return
+    assert cpu_gemm.engine_threads(torch.bfloat16, 1) == 1 and cpu_gemm.threads() == torch.get_num_threads()
+    assert cpu_gemm.engine_threads(torch.bfloat16, 2) == 1 and cpu_gemm.threads() == 2
+    g = torch.Generator().manual_seed(m)
+    packed = cpu_gemm.pack((torch.randn(208, 96, generator=g) * 0.1).bfloat16())
+    x = torch.randn(m, 96, generator=g).bfloat16()
+    outs = []
+    for n in (1, 2, 3):
+        cpu_gemm.set_threads(n)
+        outs += [torch.ops.dflash_bf16.linear(x, packed.data, None, 208), cpu_gemm.gemm(x, packed, None)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
