@@ -199,6 +199,7 @@ class LLM:
         import dataclasses
 
         from dflash_trt.engine.precompile import PrecompileRequest
+        from dflash_trt.layers import cpu_gemm
 
         spec = engine.spec
         return PrecompileRequest(
@@ -211,6 +212,7 @@ class LLM:
             cpu_threads=self.cpu_threads,
             compile_root=str(self.engine_config.compile_dir),
             eos_token_ids=tuple(engine.eos_token_ids),
+            gemm_threads=cpu_gemm.own_threads(),
         )
 
     # --- public ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 
 from dflash_trt.engine.compile import PREFILL, ROUND, Core, RoundCache
 from dflash_trt.engine.round import RoundInputs, RoundParts, RoundShape
+from dflash_trt.layers import cpu_gemm
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,16 @@ class Executor:
             return self.call(ROUND, tuple(inputs), shape.kwargs())
 
     def prefill(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """One prefill pass (`RoundParts.prefill`'s arguments) -> logits [bs, V]."""
-        return self.call(PREFILL, args, {}, compile=self.compile_prefill)
+        """One prefill pass (`RoundParts.prefill`'s arguments) -> logits [bs, V], on every core the
+        engine may use (`cpu_gemm.all_cores`; compiled and run under that thread count)."""
+        with cpu_gemm.all_cores():
+            return self.call(PREFILL, args, {}, compile=self.compile_prefill)
 
     def prefill_scored(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """A prefill pass whose logits cover every chunk position [bs, t, V] (`RoundParts.prefill_scored`'s
         arguments): prompt log-probabilities, run eagerly (rare, and of data-dependent size)."""
-        return self.parts.prefill_scored(*args)
+        with cpu_gemm.all_cores():
+            return self.parts.prefill_scored(*args)
 
     def call(self, kind: str, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any], *,
               compile: bool = True) -> torch.Tensor:  # fmt: skip

@@ -64,6 +64,7 @@ class PrecompileRequest:
     cpu_threads: int | None
     compile_root: str  # the machine's directory under the compile cache root (engine/compile.py)
     eos_token_ids: tuple[int, ...]
+    gemm_threads: int = 0  # layers/cpu_gemm's own count (its prefill compiles under it: `all_cores`)
 
 
 def spawn(request: PrecompileRequest, directory: Path) -> subprocess.Popen[bytes] | None:
@@ -246,12 +247,14 @@ def run(request: PrecompileRequest, claims: str | None = None) -> int:
     from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.compile import point_inductor_at
     from dflash_trt.engine.config import EngineConfig
+    from dflash_trt.layers import cpu_gemm
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
     from dflash_trt.utils.device import DTYPES
 
     point_inductor_at(request.compile_root)
     if request.cpu_threads is not None:
         torch.set_num_threads(request.cpu_threads)
+    cpu_gemm.set_threads(request.gemm_threads)
     config = EngineConfig(**request.engine)
     assert config.compile and config.compile_dir is not None
     t0 = time.perf_counter()

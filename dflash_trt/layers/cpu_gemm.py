@@ -226,6 +226,27 @@ def set_threads(n: int) -> None:
         torch.ops.dflash_bf16.set_threads(n)
 
 
+def own_threads() -> int:
+    """The kernels' own count as set (0: none of their own, torch's)."""
+    return _threads
+
+
+@contextlib.contextmanager
+def all_cores() -> Iterator[None]:
+    """torch on the kernels' own count inside the block, where `engine_threads` put it on one: a prefill's
+    thousands of rows are wide work for every operator (attention, norms), not only for the GEMMs.
+    Compiled code is guarded on torch's count, so whatever is compiled inside runs inside too."""
+    before = torch.get_num_threads()
+    if not _threads or _threads == before:
+        yield
+        return
+    torch.set_num_threads(_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def engine_threads(dtype: torch.dtype, budget: int) -> int:
     """torch's thread count for an engine that may use `budget` cores, with the kernels' count set:
     1 when its bf16 linears run through `dflash_bf16::linear` (the kernel then takes the budget),

@@ -240,6 +240,7 @@ def test_bf16_engine_is_lossless_and_runs_packed(threads_restored) -> None:
         assert llm.engine.packed_weights > 4 * 12 + 1  # the drafter's too
         split = cpu_gemm.bf16_op_available()
         assert (llm.cpu_threads, cpu_gemm.threads()) == ((1, 2) if split else (2, 2))
+        seen = _threads_seen(llm.engine.runner.executor.parts)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         alone = llm.generate(prompts[1], sp).outputs[0].token_ids
         stats = llm.generate(
@@ -248,6 +249,25 @@ def test_bf16_engine_is_lossless_and_runs_packed(threads_restored) -> None:
     assert got == want and alone == want[1]
     spec = stats.outputs[0].request_perf_metrics.speculative_decoding
     assert spec.total_accepted_draft_tokens > 0  # the drafter really drafted (through the packed head)
+    assert seen == {"prefill": {2}, "round": {1 if split else 2}}  # a prefill runs on every core
+
+
+def _threads_seen(parts) -> dict[str, set[int]]:
+    """torch's thread count inside each prefill and round `parts` runs from now on (an eager engine)."""
+    seen: dict[str, set[int]] = {}
+
+    def spied(name: str):
+        real = getattr(parts, name)
+
+        def spy(*args, **kwargs):
+            seen.setdefault(name, set()).add(torch.get_num_threads())
+            return real(*args, **kwargs)
+
+        return spy
+
+    for name in ("prefill", "round"):
+        setattr(parts, name, spied(name))
+    return seen
 
 
 @pytest.mark.parametrize("m", [0, 1, 5, 17])
@@ -278,9 +298,13 @@ def test_the_bf16_operator_is_the_kernel_and_whole_blocks_only_take_it(m) -> Non
 @pytest.mark.parametrize("m", [1, 7, 8, 40])
 def test_the_bf16_kernels_threads_are_their_own_and_change_no_bit(m, threads_restored) -> None:
     """`engine_threads` gives the cores to dflash-trt's bf16 GEMM and one to torch where the operator
-    runs, all to torch elsewhere (oneDNN and MKL run on torch's threads) and for fp32; the kernel's
-    results do not depend on its thread count (each thread owns whole output blocks)."""
+    runs, all to torch elsewhere (oneDNN and MKL run on torch's threads) and for fp32; `all_cores` gives
+    them back to torch for a block; the kernel's results do not depend on its thread count (each thread
+    owns whole output blocks)."""
     assert cpu_gemm.engine_threads(torch.float32, 2) == 2 and cpu_gemm.threads() == torch.get_num_threads()
+    torch.set_num_threads(1)
+    with cpu_gemm.all_cores():
+        assert torch.get_num_threads() == 1  # no count of their own: torch's stays
     with pytest.raises(ValueError, match="n=-1"):
         cpu_gemm.set_threads(-1)
     if not cpu_gemm.bf16_op_available():
@@ -288,6 +312,9 @@ def test_the_bf16_kernels_threads_are_their_own_and_change_no_bit(m, threads_res
         return
     assert cpu_gemm.engine_threads(torch.bfloat16, 1) == 1 and cpu_gemm.threads() == torch.get_num_threads()
     assert cpu_gemm.engine_threads(torch.bfloat16, 2) == 1 and cpu_gemm.threads() == 2
+    with cpu_gemm.all_cores():
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
     g = torch.Generator().manual_seed(m)
     packed = cpu_gemm.pack((torch.randn(208, 96, generator=g) * 0.1).bfloat16())
     x = torch.randn(m, 96, generator=g).bfloat16()
