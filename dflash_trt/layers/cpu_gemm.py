@@ -250,9 +250,10 @@ def all_cores() -> Iterator[None]:
 def engine_threads(dtype: torch.dtype, budget: int) -> int:
     """torch's thread count for an engine that may use `budget` cores, with the kernels' count set:
     1 when its bf16 linears run through `dflash_bf16::linear` (the kernel then takes the budget),
-    else `budget` (oneDNN's and MKL's GEMMs run on torch's threads). On smollm2-135m (2-core AMD EPYC)
-    the split ran plain decoding 1.1-1.2x faster at batch 1 and ~1.5x at batch 16 than two threads
-    for everything (bench/README.md, "One thread for the step's small operators")."""
+    else `budget` (oneDNN's and MKL's GEMMs run on torch's threads). A prefill gives torch the cores
+    back (`all_cores`). On smollm2-135m (2-core AMD EPYC) the split ran plain decoding 1.15-1.24x,
+    1.47-1.54x and 1.07-1.44x faster at batch 1, 4 and 16 than two threads for everything
+    (bench/README.md, "One thread for the step's small operators")."""
     if budget > 1 and dtype == torch.bfloat16 and bf16_op_available():
         set_threads(budget)
         return 1
