@@ -233,7 +233,6 @@ def test_bf16_engine_is_lossless_and_runs_packed(threads_restored) -> None:
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     with LLM("tiny", dtype="bfloat16", compile=False) as plain:
         assert plain.engine.packed_weights == 4 * 12 + 1  # tiny: 12 layers, tied head
-        assert plain.cpu_threads == 1 == cpu_gemm.threads()  # tiny's weights stay in the caches: one core
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     with LLM("tiny", dtype="bfloat16", compile=False, speculative_config=tiny, max_batch_size=4,
              cpu_threads=2) as llm:  # fmt: skip
