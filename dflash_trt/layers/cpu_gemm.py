@@ -208,7 +208,7 @@ def bf16_op_available() -> bool:
 # use every core for a product of many rows (gemm_bf16.c decides by the rows). Set once, process-wide;
 # the operator holds its own copy, so that a compiled round never sees it (`engine_threads`).
 _threads = 0  # 0: torch's thread count
-_LOADED: set[str] = set()  # the operators' namespaces loaded in this process
+_bf16_op_loaded = False  # dflash_bf16::linear (and its set_threads) is loaded in this process
 
 
 def threads() -> int:
@@ -222,7 +222,7 @@ def set_threads(n: int) -> None:
     if n < 0:
         raise ValueError(f"set_threads: n={n}; pass 0 (torch's count) or more")
     _threads = n
-    if "dflash_bf16" in _LOADED:
+    if _bf16_op_loaded:
         torch.ops.dflash_bf16.set_threads(n)
 
 
@@ -273,6 +273,7 @@ def _load_linear_op(namespace: str, source: str, flags: tuple[str, ...], *includ
     """Build (or take from the cache) and load the operator `namespace::linear(x, w, bias, n)` from
     `source` beside this module, and give torch.compile its shape; False, logged, where it cannot be
     built (callers keep the other path). `includes`: the files beside it that the source includes."""
+    global _bf16_op_loaded
     here = Path(__file__).parent
     try:
         path = native.torch_op_library(here / source, flags, includes=[here / name for name in includes])
@@ -281,8 +282,8 @@ def _load_linear_op(namespace: str, source: str, flags: tuple[str, ...], *includ
         log.warning("dflash_trt's CPU GEMM operator %s::linear is unavailable (%s)", namespace, exc)
         return False
     torch.library.register_fake(f"{namespace}::linear")(_linear_shape)
-    _LOADED.add(namespace)
     if namespace == "dflash_bf16":
+        _bf16_op_loaded = True
         torch.ops.dflash_bf16.set_threads(_threads)
     return True
 

@@ -44,10 +44,11 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
   }
   at::Tensor out = at::empty({flat.size(0), n}, x.options());
   if (flat.size(0) > 0) {
+    const int64_t own = wide_threads.load();
     dflash_gemm_bf16(reinterpret_cast<const uint16_t *>(flat.data_ptr()), flat.size(0), flat.size(1),
                      reinterpret_cast<const uint16_t *>(w.data_ptr()), n,
                      b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t *>(out.data_ptr()),
-                     static_cast<int>(wide_threads.load() > 0 ? wide_threads.load() : at::get_num_threads()));
+                     static_cast<int>(own > 0 ? own : at::get_num_threads()));
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
