@@ -53,24 +53,17 @@ TILE(2, 1)
 TILE(4, 1)
 TILE(8, 1)
 
-// A product of fewer rows runs on one thread: it streams the weight, and beside a decoding step's
-// single-threaded operators a second thread's fork, join and spinning cost more than its share of the
-// reads (smollm2-135m, 2-core AMD EPYC: plain decoding at batch 1 ran 1.1-1.2x faster with every
-// operator on one thread). From this many rows the multiply-adds dominate and the threads pay
-// (bench/README.md, "One thread for the step's small operators").
-#define DFLASH_GEMM_WIDE_ROWS 8
+// A task is a few 16-column blocks (`dflash_gemm_bf16_wide`); it runs every input row against its
+// blocks while they are hot in cache.
+static inline long dflash_gemm_bf16_wide(long M) { return M >= 8 ? 2 : 4; }  // blocks per task
 
-// x: [M, K] row-major (K even), w: packed as above, bias: [N] fp32 or NULL, y: [M, N] row-major.
-// threads: the most threads a product of DFLASH_GEMM_WIDE_ROWS rows or more may use.
-void dflash_gemm_bf16(const uint16_t *x, long M, long K, const uint16_t *w, long N, const float *bias,
-                      uint16_t *y, int threads) {
-  const long blocks = (N + 15) / 16;
-  const long wide = M >= 8 ? 2 : 4;  // blocks per tile: 16 accumulators at most
-  const long tasks = (blocks + wide - 1) / wide;
-  const int team = M >= DFLASH_GEMM_WIDE_ROWS ? threads : 1;
-#pragma omp parallel for num_threads(team) schedule(static)
-  for (long t = 0; t < tasks; t++) {
-    const long b0 = t * wide, nblk = blocks - b0 < wide ? blocks - b0 : wide;
+// Blocks [b_begin, b_end) of y = x . W^T (+ bias), in tasks from b_begin. x: [M, K] row-major (K even),
+// w: packed as above, bias: [N] fp32 or NULL, y: [M, N] row-major.
+void dflash_gemm_bf16_blocks(const uint16_t *x, long M, long K, const uint16_t *w, long N, const float *bias,
+                             uint16_t *y, long b_begin, long b_end) {
+  const long wide = dflash_gemm_bf16_wide(M);
+  for (long b0 = b_begin; b0 < b_end; b0 += wide) {
+    const long nblk = b_end - b0 < wide ? b_end - b0 : wide;
     for (long m = 0; m < M;) {
       const long left = M - m;
       const uint16_t *xm = x + m * K;
@@ -91,4 +84,22 @@ void dflash_gemm_bf16(const uint16_t *x, long M, long K, const uint16_t *w, long
       m += rows;
     }
   }
+}
+
+// The whole product on OpenMP's threads (the ctypes path of cpu_gemm.gemm). A product of fewer rows runs
+// on one thread there: beside a decoding step's single-threaded operators, OpenMP's idle threads sleep
+// in the kernel between calls (its spinning is cut short when the process holds more threads than
+// cores), and waking them for each of a step's products costs more than their share of the reads. The
+// torch operator (gemm_bf16_op.cpp) splits every product over a team of its own instead.
+#define DFLASH_GEMM_WIDE_ROWS 8
+
+// threads: the most threads a product of DFLASH_GEMM_WIDE_ROWS rows or more may use.
+void dflash_gemm_bf16(const uint16_t *x, long M, long K, const uint16_t *w, long N, const float *bias,
+                      uint16_t *y, int threads) {
+  const long blocks = (N + 15) / 16, wide = dflash_gemm_bf16_wide(M);
+  const long tasks = (blocks + wide - 1) / wide;
+  const int team = M >= DFLASH_GEMM_WIDE_ROWS ? threads : 1;
+#pragma omp parallel for num_threads(team) schedule(static)
+  for (long t = 0; t < tasks; t++)
+    dflash_gemm_bf16_blocks(x, M, K, w, N, bias, y, t * wide, (t + 1) * wide < blocks ? (t + 1) * wide : blocks);
 }

@@ -5,15 +5,21 @@
 // Why: through a Python custom op and ctypes, each call of the kernel cost Python around it (the op's
 // wrapper, the packed weight's lookup, the ctypes call): with smollm2-135m's 121 linears a decoding
 // step, a compiled batch-1 step ran 1.14-1.28x slower than with this operator (bench/README.md). The
-// kernel itself is gemm_bf16.c, included below unchanged (the C kernel's numerics, tiles and threads).
+// kernel itself is gemm_bf16.c, included below unchanged (the C kernel's numerics and tiles); the
+// operator splits every product, whatever its rows, over a team of its own threads (spin_team.h: on
+// smollm2-135m's plain decoding 1.16-1.34x faster at batch 1 than the kernel's OpenMP, 1.13-1.20x at
+// batch 4 and 16; bench/README.md, "The GEMM's own threads").
 // w: the packed weight [ceil(N/16), K/2, 16, 2] bf16 (cpu_gemm.pack); n: N, a whole number of blocks
 // (n = 16 * w.size(0)); x [..., K] bf16; bias [N] or None (read as fp32); out [..., N] bf16.
-// Built by dflash_trt/layers/cpu_gemm.py (g++ with AVX512-BF16 and OpenMP, torch's headers and libraries).
+// Built by dflash_trt/layers/cpu_gemm.py (g++ with AVX512-BF16, torch's headers and libraries).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+
+#include "spin_team.h"
 
 extern "C" {
 #include "gemm_bf16.c"
@@ -21,9 +27,24 @@ extern "C" {
 
 namespace {
 
-// The threads a product of many rows may use (gemm_bf16.c), set by cpu_gemm.set_threads. Not an
+// The threads a product may use, set by cpu_gemm.set_threads. Not an
 // argument of linear: a compiled round would hold it as a constant, and it is the process's setting.
 std::atomic<int64_t> wide_threads{0};  // 0: torch's thread count
+
+struct Product {
+  const uint16_t *x, *w;
+  long M, K, N;
+  const float *bias;
+  uint16_t *y;
+  long blocks;  // of 16 output columns
+};
+
+// Part `part` of `parts` of a product: a contiguous share of its blocks.
+void product_part(const void *ctx, int part, int parts) {
+  const Product &p = *static_cast<const Product *>(ctx);
+  dflash_gemm_bf16_blocks(p.x, p.M, p.K, p.w, p.N, p.bias, p.y, p.blocks * part / parts,
+                          p.blocks * (part + 1) / parts);
+}
 
 void set_threads(int64_t n) {
   TORCH_CHECK(n >= 0, "dflash_bf16::set_threads: n=", n, " (0 = torch's thread count)");
@@ -45,10 +66,11 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
   at::Tensor out = at::empty({flat.size(0), n}, x.options());
   if (flat.size(0) > 0) {
     const int64_t own = wide_threads.load();
-    dflash_gemm_bf16(reinterpret_cast<const uint16_t *>(flat.data_ptr()), flat.size(0), flat.size(1),
-                     reinterpret_cast<const uint16_t *>(w.data_ptr()), n,
-                     b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t *>(out.data_ptr()),
-                     static_cast<int>(own > 0 ? own : at::get_num_threads()));
+    const Product p{reinterpret_cast<const uint16_t *>(flat.data_ptr()), reinterpret_cast<const uint16_t *>(w.data_ptr()),
+                    flat.size(0), flat.size(1), n, b.defined() ? b.data_ptr<float>() : nullptr,
+                    reinterpret_cast<uint16_t *>(out.data_ptr()), (n + 15) / 16};
+    const int64_t threads = own > 0 ? own : at::get_num_threads();
+    dflash::SpinTeam::run(&product_part, &p, static_cast<int>(std::min<int64_t>(threads, p.blocks)));
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;

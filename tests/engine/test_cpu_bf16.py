@@ -7,6 +7,9 @@ replace, and keep the engine lossless in bf16."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -322,3 +325,44 @@ def test_the_bf16_kernels_threads_are_their_own_and_change_no_bit(m, threads_res
         cpu_gemm.set_threads(n)
         outs += [torch.ops.dflash_bf16.linear(x, packed.data, None, 208), cpu_gemm.gemm(x, packed, None)]
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_the_bf16_operators_team_serves_two_callers_and_a_forked_child(threads_restored) -> None:
+    """The operator's own worker threads (spin_team.h): a call that finds the team busy runs alone, so two
+    threads calling at once both get the exact product; a forked child, whose copy of the process has
+    no workers, starts a team of its own instead of waiting on the parent's (a hang is a failure)."""
+    if not cpu_gemm.bf16_op_available():
+        pytest.skip(NO_KERNEL)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(3)
+    packed = cpu_gemm.pack((torch.randn(400, 64, generator=g) * 0.1).bfloat16())
+    xs = [torch.randn(m, 64, generator=g).bfloat16() for m in (1, 3, 9)]
+    want = [torch.ops.dflash_bf16.linear(x, packed.data, None, 400) for x in xs]  # one thread: no team
+    cpu_gemm.set_threads(2)
+    wrong: list[int] = []
+
+    def caller() -> None:
+        for i in range(300):
+            x = xs[i % 3]
+            if not torch.equal(torch.ops.dflash_bf16.linear(x, packed.data, None, 400), want[i % 3]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=caller) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and wrong == []
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its products are exact
+        ok = all(
+            torch.equal(torch.ops.dflash_bf16.linear(x, packed.data, None, 400), w) for x, w in zip(xs, want)
+        )
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child hung or was wrong"
