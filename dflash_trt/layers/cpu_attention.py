@@ -69,4 +69,5 @@ def _fakes() -> None:
 
 _OP = native.TorchOp(Path(__file__).with_name("paged_attention_op.cpp"), SWITCH_ENV, "CPU paged attention",
                      "torch's SDPA", fakes=_fakes,
-                     isa_flags=lambda: ("-mavx512f",) if "avx512f" in cpu_flags() else ("-mavx2", "-mfma"))  # fmt: skip
+                     isa_flags=lambda: ("-mavx512f",) if "avx512f" in cpu_flags() else ("-mavx2", "-mfma"),
+                     includes=("spin_team.h",))  # fmt: skip

@@ -205,10 +205,11 @@ def bf16_op_available() -> bool:
 
 # --- threads ------------------------------------------------------------------------------------------
 # The bf16 kernel takes a thread count apart from torch's: an engine whose linears all run through
-# `dflash_bf16::linear` keeps torch (inductor's kernels, attention) on one thread and lets the operator
-# split every product over that many threads of its own (spin_team.h; the ctypes path `gemm` splits
-# products of 8 rows or more on OpenMP's). Set once, process-wide; the operator holds its own copy, so
-# that a compiled round never sees it (`engine_threads`).
+# `dflash_bf16::linear` keeps torch (inductor's kernels) on one thread and lets the operator split every
+# product over that many threads of its own (spin_team.h), a team the paged-attention operator
+# (cpu_attention) splits its heads over too; the ctypes path `gemm` splits products of 8 rows or more on
+# OpenMP's. Set once, process-wide; the team holds its own copy, so that a compiled round never sees it
+# (`engine_threads`).
 _threads = 0  # 0: torch's thread count
 _bf16_op_loaded = False  # dflash_bf16::linear (and its set_threads) is loaded in this process
 
@@ -219,7 +220,8 @@ def threads() -> int:
 
 
 def set_threads(n: int) -> None:
-    """Let the bf16 kernels use up to `n` threads (0: torch's count, read at each call)."""
+    """Let the bf16 kernels (and the paged attention, where the bf16 operator is loaded) use up to `n`
+    threads (0: torch's count, read at each call)."""
     global _threads
     if n < 0:
         raise ValueError(f"set_threads: n={n}; pass 0 (torch's count) or more")

@@ -27,9 +27,6 @@ extern "C" {
 
 namespace {
 
-// The threads a product may use, set by cpu_gemm.set_threads. Not an
-// argument of linear: a compiled round would hold it as a constant, and it is the process's setting.
-std::atomic<int64_t> wide_threads{0};  // 0: torch's thread count
 
 struct Product {
   const uint16_t *x, *w;
@@ -46,9 +43,12 @@ void product_part(const void *ctx, int part, int parts) {
                           p.blocks * (part + 1) / parts);
 }
 
+// The threads a product (and the paged attention's heads) may use, set by cpu_gemm.set_threads: the
+// team's width. Not an argument of linear: a compiled round would hold it as a constant, and it is the
+// process's setting.
 void set_threads(int64_t n) {
   TORCH_CHECK(n >= 0, "dflash_bf16::set_threads: n=", n, " (0 = torch's thread count)");
-  wide_threads.store(n);
+  dflash::SpinTeam::width().store(static_cast<int>(n));
 }
 
 at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias, int64_t n) {
@@ -65,7 +65,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
   }
   at::Tensor out = at::empty({flat.size(0), n}, x.options());
   if (flat.size(0) > 0) {
-    const int64_t own = wide_threads.load();
+    const int64_t own = dflash::SpinTeam::width().load();
     const Product p{reinterpret_cast<const uint16_t *>(flat.data_ptr()), reinterpret_cast<const uint16_t *>(w.data_ptr()),
                     flat.size(0), flat.size(1), n, b.defined() ? b.data_ptr<float>() : nullptr,
                     reinterpret_cast<uint16_t *>(out.data_ptr()), (n + 15) / 16};

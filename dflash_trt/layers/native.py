@@ -105,12 +105,14 @@ class TorchOp:
     (`switch_env=0`: the torch path everywhere), then, once per process, builds and loads the library
     (`torch_op_library`) and registers the operator's fake implementations (`fakes`, what torch.compile
     traces instead of running it). isa_flags: the compiler flags for this CPU, asked at the build.
-    Where it cannot be built or loaded, one warning names `what` and the `fallback` used instead."""
+    includes: the files beside the source that it includes. Where it cannot be built or loaded, one
+    warning names `what` and the `fallback` used instead."""
 
     def __init__(self, source: Path, switch_env: str, what: str, fallback: str, *, fakes: Callable[[], object],
-                 isa_flags: Callable[[], Sequence[str]] = tuple) -> None:  # fmt: skip
+                 isa_flags: Callable[[], Sequence[str]] = tuple, includes: Sequence[str] = ()) -> None:  # fmt: skip
         self.source, self.switch_env, self.what, self.fallback = source, switch_env, what, fallback
         self.fakes, self.isa_flags = fakes, isa_flags
+        self.includes = [source.with_name(name) for name in includes]
         self._loaded: bool | None = None
 
     def available(self) -> bool:
@@ -124,7 +126,7 @@ class TorchOp:
         import torch
 
         try:
-            torch.ops.load_library(str(torch_op_library(self.source, self.isa_flags())))
+            torch.ops.load_library(str(torch_op_library(self.source, self.isa_flags(), self.includes)))
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             log.warning("dflash_trt's %s is unavailable (%s); using %s", self.what, exc, self.fallback)
             return False

@@ -20,10 +20,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "spin_team.h"
 
 namespace {
 
@@ -265,12 +268,26 @@ void attend_group(const Args<T> &a, long seq, long kvh, std::vector<float> &work
 }
 
 template <typename T>
+void attend_groups(const Args<T> &a, long g0, long g1) {
+  std::vector<float> work;
+  for (long gi = g0; gi < g1; gi++) attend_group(a, gi / a.hkv, gi % a.hkv, work);
+}
+
+template <typename T>
+void attend_part(const void *ctx, int part, int parts) {
+  const Args<T> &a = *static_cast<const Args<T> *>(ctx);
+  const long groups = a.bs * a.hkv;
+  attend_groups(a, groups * part / parts, groups * (part + 1) / parts);
+}
+
+// The (sequence, KV head) groups on the GEMM's team where it has a width (an engine that keeps torch on
+// one thread: spin_team.h), else on torch's threads.
+template <typename T>
 void run(const Args<T> &a) {
   const long groups = a.bs * a.hkv;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> work;
-    for (int64_t gi = g0; gi < g1; gi++) attend_group(a, gi / a.hkv, gi % a.hkv, work);
-  });
+  const int width = dflash::SpinTeam::width().load();
+  if (width > 1) return dflash::SpinTeam::run(&attend_part<T>, &a, static_cast<int>(std::min<long>(width, groups)));
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { attend_groups(a, g0, g1); });
 }
 
 // The checked tensors of one call as raw pointers and sizes (kn, vn undefined: no keys past the context).

@@ -11,6 +11,10 @@
 // well under a microsecond, and sleep (a condition variable) once the caller has gone quiet, so an idle
 // server burns no core.
 //
+// One team per process, whichever of dflash-trt's operators includes this header (its statics are
+// unique symbols: the dynamic linker binds every library that defines them to one copy). `width` is
+// how many threads a call may use (0: the operator's own default); cpu_gemm.set_threads sets it.
+//
 // One call at a time: a call that finds the team busy (another thread inside) runs its work alone. After
 // fork() the child starts a new team on first use (the parent's workers do not exist there).
 #pragma once
@@ -32,6 +36,11 @@ namespace dflash {
 class SpinTeam {
  public:
   using Part = void (*)(const void *ctx, int part, int parts);
+
+  static std::atomic<int> &width() {
+    static std::atomic<int> threads{0};
+    return threads;
+  }
 
   // Run part(ctx, i, n) for i in [0, n) on the caller and n - 1 workers; returns when all are done.
   static void run(Part part, const void *ctx, int n) {

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dflash_trt import LLM, SamplingParams
-from dflash_trt.layers import cpu_attention
+from dflash_trt.layers import cpu_attention, cpu_gemm
 from dflash_trt.layers.attention import attend_paged
 from dflash_trt.layers.kv_cache import context_index
 from dflash_trt.layers.masks import block_visibility_mask, visibility_mask
@@ -168,6 +168,30 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     for i in range(bs):
         alone = attend_paged(q[i : i + 1], k, v, idx[i : i + 1], mask[i : i + 1], scale=0.2, kernel=True)
         assert torch.equal(alone, batched[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gemms_team_splits_the_heads_and_changes_no_bit(dtype) -> None:
+    """Where dflash-trt's bf16 GEMM holds a team of its own threads (cpu_gemm.set_threads), the operator
+    splits its (sequence, KV head) groups over that team (one team per process: spin_team.h); every
+    group is computed as on one thread, so the output is the same bits at any width."""
+    if not (HAS_OP and cpu_gemm.bf16_op_available()):
+        pytest.skip("no paged-attention operator or no bf16 GEMM operator (AVX512-BF16) on this CPU")
+    bs, t, h, hkv, d = 3, 2, 6, 3, 32
+    g, k, v, idx = _pool(11, bs=bs, pages=3, hkv=hkv, d=d, dtype=dtype)
+    lc = idx.shape[1]
+    positions = torch.tensor([lc, 30, 17])[:, None] - t + torch.arange(t)
+    k_pos = torch.arange(lc).expand(bs, lc)
+    mask = visibility_mask(positions, k_pos, k_pos <= positions[:, -1:], causal=True, window=None)
+    q = torch.randn(bs, t, h, d, generator=g).to(dtype)
+    outs = []
+    try:
+        for width in (0, 2, 3, 16):
+            cpu_gemm.set_threads(width)
+            outs.append(attend_paged(q, k, v, idx, mask, scale=0.2, kernel=True))
+    finally:
+        cpu_gemm.set_threads(0)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 def test_bad_arguments_get_named_errors() -> None:
