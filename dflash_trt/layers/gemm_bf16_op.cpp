@@ -17,7 +17,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "spin_team.h"
 
@@ -26,7 +25,6 @@ extern "C" {
 }
 
 namespace {
-
 
 struct Product {
   const uint16_t *x, *w;
