@@ -31,14 +31,13 @@ struct Product {
   long M, K, N;
   const float *bias;
   uint16_t *y;
-  long blocks;  // of 16 output columns
 };
 
 // Part `part` of `parts` of a product: a contiguous share of its blocks.
 void product_part(const void *ctx, int part, int parts) {
   const Product &p = *static_cast<const Product *>(ctx);
-  dflash_gemm_bf16_blocks(p.x, p.M, p.K, p.w, p.N, p.bias, p.y, p.blocks * part / parts,
-                          p.blocks * (part + 1) / parts);
+  const long blocks = (p.N + 15) / 16;
+  dflash_gemm_bf16_blocks(p.x, p.M, p.K, p.w, p.N, p.bias, p.y, blocks * part / parts, blocks * (part + 1) / parts);
 }
 
 // The threads a product (and the paged attention's heads) may use, set by cpu_gemm.set_threads: the
@@ -66,9 +65,9 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
     const int64_t own = dflash::SpinTeam::width().load();
     const Product p{reinterpret_cast<const uint16_t *>(flat.data_ptr()), reinterpret_cast<const uint16_t *>(w.data_ptr()),
                     flat.size(0), flat.size(1), n, b.defined() ? b.data_ptr<float>() : nullptr,
-                    reinterpret_cast<uint16_t *>(out.data_ptr()), (n + 15) / 16};
+                    reinterpret_cast<uint16_t *>(out.data_ptr())};
     const int64_t threads = own > 0 ? own : at::get_num_threads();
-    dflash::SpinTeam::run(&product_part, &p, static_cast<int>(std::min<int64_t>(threads, p.blocks)));
+    dflash::SpinTeam::run(&product_part, &p, static_cast<int>(std::min<int64_t>(threads, (n + 15) / 16)));
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;

@@ -68,18 +68,20 @@ class SpinTeam {
   // (a compiled batch-1 step of smollm2-135m makes ~120 calls in ~13 ms).
   static constexpr int64_t kSpinNs = 2'000'000;
 
-  static SpinTeam *&current() {
-    static SpinTeam *team = nullptr;
+  static std::atomic<SpinTeam *> &current() {
+    static std::atomic<SpinTeam *> team{nullptr};
     return team;
   }
 
+  // The process's team: one atomic load on every call but the first (and the first after a fork).
   static SpinTeam *instance() {
-    static std::once_flag once;
-    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { current() = nullptr; }); });
+    if (SpinTeam *team = current().load(std::memory_order_acquire)) return team;
     static std::mutex make;
+    static bool at_fork = false;
     std::lock_guard<std::mutex> lock(make);
-    if (current() == nullptr) current() = new SpinTeam();  // never freed: workers live until the process exits
-    return current();
+    if (!at_fork) at_fork = pthread_atfork(nullptr, nullptr, [] { current().store(nullptr); }) == 0;
+    if (current().load() == nullptr) current().store(new SpinTeam());  // never freed: workers live until exit
+    return current().load();
   }
 
   // Workers 1..want exist (a team only grows: the caller's count decides how many take part).
