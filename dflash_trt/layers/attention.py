@@ -10,7 +10,10 @@ elsewhere the context's K/V is gathered and goes to `attend`. One place for the 
 step or a DFlash block (bs=8, one query over 64 keys: ~1 ms against ~0.25 ms for two batched GEMMs
 and a softmax; 2 vCPU AMD EPYC, torch 2.13): there the scores are computed as GEMMs in float32 and
 normalised in float32 (the accuracy of the fused kernel), then applied to V in bfloat16. Long query
-blocks (prefill) and every other dtype/device keep torch's SDPA.
+blocks and every other dtype/device keep torch's SDPA. Prompt chunks (`chunk=True`) always do: their
+length varies inside one compiled prefill graph, and a choice made on it would become a guard that
+refuses every other length (the prefill compiled at warm-up on a 2-token prompt then refused every
+real prompt longer than 32 tokens and ran eagerly from then on).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def attend_paged(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     kernel: bool = False,
+    chunk: bool = False,
 ) -> torch.Tensor:
     """q: [bs, T, H, d] (token-major, as projected); k_pool, v_pool: one layer's pool [slots, Hkv, d];
     ctx_index: [bs, Lc] the pool slots of each sequence's context columns; k_new, v_new: [bs, B, Hkv, d]
@@ -43,13 +47,15 @@ def attend_paged(
 
     kernel: read the pool in place with `dflash_cpu::paged_attention` (CPU, float32 or bfloat16, no
     sinks; the caller's module was enabled by `cpu_attention.enable`, which loaded the operator).
-    Otherwise the context is gathered into [bs, Hkv, Lc (+ B), d] and attended with `attend`."""
+    Otherwise the context is gathered into [bs, Hkv, Lc (+ B), d] and attended with `attend`.
+    chunk: q is a prompt chunk, whose length varies within a compiled graph (`attend`)."""
     if kernel:
         return torch.ops.dflash_cpu.paged_attention(q, k_pool, v_pool, ctx_index, k_new, v_new, mask, scale)
     k, v = k_pool[ctx_index], v_pool[ctx_index]  # [bs, Lc, Hkv, d]
     if k_new is not None and v_new is not None:
         k, v = torch.cat([k, k_new], dim=1), torch.cat([v, v_new], dim=1)
-    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sinks)
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, sinks=sinks,
+                 chunk=chunk)  # fmt: skip
     return out.transpose(1, 2)
 
 
@@ -61,12 +67,14 @@ def attend(
     *,
     scale: float,
     sinks: torch.Tensor | None = None,
+    chunk: bool = False,
 ) -> torch.Tensor:
     """q: [bs, H, T, d]; k, v: [bs, Hkv, L, d] (H a multiple of Hkv; query head h reads KV head
     h // (H / Hkv)); mask: bool [bs, 1, T or 1, L], True = visible; sinks: [H] or None, one extra key
-    per head with a learned logit and zero value (gpt-oss). Returns [bs, H, T, d]."""
+    per head with a learned logit and zero value (gpt-oss); chunk: q is a prompt chunk (torch's SDPA
+    whatever T is: module docstring). Returns [bs, H, T, d]."""
     t = q.shape[2]
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and t <= MAX_GEMM_QUERY_ROWS:
+    if not chunk and q.device.type == "cpu" and q.dtype == torch.bfloat16 and t <= MAX_GEMM_QUERY_ROWS:
         return _gemm_attention(q, k, v, mask, scale=scale, sinks=sinks)
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -85,7 +85,7 @@ class Attention(nn.Module):
         store_kv(k_pool, v_pool, slots.reshape(-1), k.reshape(bs * t, self.num_kv_heads, self.head_dim),
                  v.reshape(bs * t, self.num_kv_heads, self.head_dim))  # fmt: skip
         out = attend_paged(q, k_pool, v_pool, ctx_index, mask, scale=self.head_dim**-0.5, sinks=self.sinks,
-                           kernel=paged and self.paged_kernel)  # fmt: skip
+                           kernel=paged and self.paged_kernel, chunk=not paged)  # fmt: skip
         return self.o_proj(out.reshape(bs, t, self.num_heads * self.head_dim))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt import SamplingParams
+from dflash_trt import LLM, SamplingParams
 from dflash_trt.engine import compile as compile_mod
 from dflash_trt.engine import precompile
 from tests.engine.conftest import PROMPTS, SP, small_llm, tokens
@@ -105,3 +105,23 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
         greedy = [k for k in rounds._fns if k[0] == compile_mod.ROUND and dict(k[1])["flags"][0]]
         assert rounds.loaded == CLASSES and greedy, rounds._fns
         assert rounds.compiled == 0  # nothing was compiled in the serving process
+
+
+@pytest.mark.slow
+def test_a_bfloat16_compiled_prefill_serves_prompts_of_every_length(
+    small_pair, tmp_path, monkeypatch
+) -> None:
+    """The prefill is compiled at warm-up on a 2-token prompt. In bfloat16 on CPU the attention of a
+    few query rows takes another path than a long chunk's: were that choice made on the chunk's length
+    inside the prefill, the graph would refuse every prompt of more than 32 tokens and serve eagerly from
+    then on (and drop its saved artifact)."""
+    monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
+    monkeypatch.setenv(compile_mod.BACKGROUND_ENV, "0")
+    tdir, _ = small_pair
+    prompts = [[(7 * i + n) % 30 + 3 for i in range(n)] for n in (1, 40, 100, 5)]
+    with LLM(str(tdir), compile_cache=str(tmp_path), max_batch_size=1, dtype="bfloat16") as llm:
+        rounds = llm.engine.executor.rounds
+        outs = [llm.generate(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3] * len(prompts)
+        assert not rounds._refused
+        assert sum(k[0] == compile_mod.PREFILL for k in rounds._fns) == 1, rounds._fns
