@@ -59,6 +59,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny")
     ap.add_argument("--no-draft", action="store_true", help="the target alone (plain decoding's classes)")
+    ap.add_argument("--drafter", help="drafter name or directory (default: the target's name, which names "
+                    "tiny's v1 drafter; smollm2-135m's is smollm2-135m-dflash)")  # fmt: skip
     ap.add_argument("--max-batch-size", type=int, default=None, help="the engine's (default: LLM's)")
     ap.add_argument("--cache-dir", help="compile cache root (default: a fresh temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary cache")
@@ -86,9 +88,13 @@ def main() -> None:
     spec = (
         None
         if args.no_draft
-        else {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": args.target}
+        else {
+            "decoding_type": "DFlash",
+            "max_draft_len": 15,
+            "speculative_model": args.drafter or args.target,
+        }
     )
-    config = {"target": args.target, "drafter": not args.no_draft, "max_batch_size": args.max_batch_size,
+    config = {"target": args.target, "drafter": None if args.no_draft else (args.drafter or args.target), "max_batch_size": args.max_batch_size,
               "workers": os.environ.get("DFLASH_TRT_COMPILE_WORKERS", "auto"),
               "torch": torch.__version__, "python": platform.python_version(),
               **_cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
