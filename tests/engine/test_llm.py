@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dflash_trt import LLM, DFlashDecodingConfig, SamplingParams
+from dflash_trt.engine.runner import pass_groups
 from dflash_trt.errors import ConfigError, EngineDeadError, RequestError
 from dflash_trt.models.checkpoint import load_drafter, save_drafter
 from dflash_trt.reference.generate import spec_generate
@@ -571,6 +572,51 @@ def test_more_than_one_prompt_length_chunked_prefill(pair):
     with LLM(str(tdir), speculative_config=spec(ddir), max_num_tokens=32, max_seq_len=256) as llm:
         out = llm.generate(prompt, SamplingParams(max_tokens=20)).outputs[0]
     assert out.token_ids == reference(pair, prompt, SamplingParams(max_tokens=20)).output_ids
+
+
+def _partitions(items: list[int]):
+    """Every partition of `items` into groups (brute force, for a handful of items)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
+
+
+def _passes_cost(part: list[list[int]], lengths: list[int]) -> int:
+    return sum(16 + len(g) * max(lengths[i] for i in g) for g in part)
+
+
+def test_prefill_passes_are_the_cheapest_grouping_of_the_chunks():
+    rng = random.Random(3)
+    for _ in range(40):
+        lengths = [rng.choice([1, 2, 5, 30, 31, 200, rng.randint(1, 400)]) for _ in range(rng.randint(1, 7))]
+        groups = pass_groups(lengths, overhead=16)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        best = min(_passes_cost(p, lengths) for p in _partitions(list(range(len(lengths)))))
+        assert _passes_cost(groups, lengths) == best, lengths
+    assert pass_groups([300, 5, 5, 5]) == [[0], [1, 2, 3]]  # the long one alone, the short ones together
+    assert pass_groups([6, 5, 6]) == [[0, 1, 2]]
+
+
+def test_prompts_of_mixed_lengths_prefill_in_passes_of_their_own_length(pair):
+    """A long prompt beside short ones: the short ones are not padded to its length (one pass each
+    group), and every request still decodes exactly as it would alone."""
+    tdir, ddir, _ = pair
+    prompts = [[i % 12 for i in range(n)] for n in (4, 150, 5, 3)]
+    sp = SamplingParams(max_tokens=12)
+    with LLM(str(tdir), speculative_config=spec(ddir), max_batch_size=4, max_seq_len=256) as llm:
+        passes: list[tuple[int, ...]] = []
+        executor = llm.engine.executor
+        run = executor.prefill
+        executor.prefill = lambda args: (passes.append(tuple(args[0].shape)), run(args))[1]  # type: ignore[method-assign]
+        outs = llm.generate(prompts, sp)
+    assert sorted(passes) == [(1, 150), (3, 5)], passes
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference(pair, prompt, sp).output_ids
 
 
 @pytest.mark.gpu
