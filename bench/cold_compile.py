@@ -85,16 +85,13 @@ def main() -> None:
     handler = _ClassTimes()
     logging.getLogger("dflash_trt.engine.compile").addHandler(handler)
     logging.getLogger("dflash_trt.engine.compile").setLevel(logging.INFO)
+    drafter = None if args.no_draft else (args.drafter or args.target)
     spec = (
         None
-        if args.no_draft
-        else {
-            "decoding_type": "DFlash",
-            "max_draft_len": 15,
-            "speculative_model": args.drafter or args.target,
-        }
+        if drafter is None
+        else {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": drafter}
     )
-    config = {"target": args.target, "drafter": None if args.no_draft else (args.drafter or args.target), "max_batch_size": args.max_batch_size,
+    config = {"target": args.target, "drafter": drafter, "max_batch_size": args.max_batch_size,
               "workers": os.environ.get("DFLASH_TRT_COMPILE_WORKERS", "auto"),
               "torch": torch.__version__, "python": platform.python_version(),
               **_cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
