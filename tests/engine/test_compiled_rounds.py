@@ -49,6 +49,7 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
         rounds = llm.engine.executor.rounds
         assert (rounds.loaded, rounds.compiled) == (0, CLASSES) == (0, len(llm.engine.warm_up_classes()))
         assert llm.drain_round_times() == []  # warm-up rounds are not reported as traffic
+        cold_rounds = llm._rounds_seen[0]
         assert tokens(llm) == want
         alone = llm.generate(PROMPTS[1], SP).outputs[0].token_ids
         # prompts of other lengths than the warm-up's, alone and batched: no compiled prefill refused them
@@ -62,10 +63,13 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     saved = sorted(p.name for p in directory.glob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
     assert len(saved) == CLASSES, saved
 
-    # 2. The next start loads them (seconds, no tracing) and gives the same tokens.
+    # 2. The next start loads them (seconds, no tracing), runs one round per warm-up batch, and gives
+    #    the same tokens.
     monkeypatch.delenv(compile_mod.BACKGROUND_ENV)
     with small_llm(small_pair, tmp_path) as again:
         assert (again.engine.executor.rounds.loaded, again.engine.executor.rounds.compiled) == (CLASSES, 0)
+        # every class was saved: each warm-up batch stopped after its first round
+        assert again._rounds_seen[0] == again.engine.warm_up_size() < cold_rounds
         assert again._precompiler is None  # nothing to compile: no child
         assert tokens(again) == want
         request = again._precompile_request(again.engine)
