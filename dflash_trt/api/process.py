@@ -47,7 +47,7 @@ from dflash_trt.api.handle import GenerationHandle
 from dflash_trt.api.llm import LLM
 from dflash_trt.api.outputs import RequestOutput
 from dflash_trt.errors import DFlashTrtError, EngineDeadError
-from dflash_trt.utils.child import module_command
+from dflash_trt.utils.child import child_env, module_command
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class ProcessLLM:
                 module_command("dflash_trt.api.process", str(to_child_r), str(from_child_w)),
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
+                env=child_env(),
             )
         except BaseException:
             for fd in (to_child_w, from_child_r):

@@ -17,6 +17,7 @@ import click
 
 from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.utils.child import limit_openmp_spin
 
 # name -> (module:attribute, one-line help). Listing help here keeps `--help` import-free.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -89,6 +90,7 @@ def cli(verbose: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     debug = os.environ.get("DFLASH_TRT_DEBUG") == "1"
+    limit_openmp_spin()  # before any command imports torch (utils/child.py)
     try:
         rv = cli.main(args=argv, prog_name="dflash-trt", standalone_mode=False)
     except click.exceptions.Exit as exc:

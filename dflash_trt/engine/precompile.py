@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.utils.child import module_command
+from dflash_trt.utils.child import child_env, module_command
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _launch(req_path: Path, directory: Path, claims: str | None = None) -> subpr
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_child_setup,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=child_env(PYTHONUNBUFFERED="1"),
         )
 
 

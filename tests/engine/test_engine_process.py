@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from dflash_trt import LLM, SamplingParams
 from dflash_trt.api.process import ProcessLLM
 from dflash_trt.errors import EngineDeadError, RequestError
+from dflash_trt.utils.child import OPENMP_SPIN, OPENMP_SPIN_ENV, child_env
 
 SPEC = {"decoding_type": "DFlash", "max_draft_len": 15, "speculative_model": "tiny"}
 ARGS = {"model": "tiny", "speculative_config": SPEC, "compile": False, "dtype": "float32"}
@@ -85,6 +87,17 @@ def test_outputs_equal_the_in_process_llm(proc_llm):
         assert time.monotonic() < deadline, proc_llm.get_stats()
         time.sleep(0.05)
     assert proc_llm.engine_error is None
+
+
+def test_the_engine_process_starts_with_openmp_spin_limited_unless_the_user_set_it(proc_llm, monkeypatch):
+    # libgomp reads GOMP_SPINCOUNT once, when the child's torch loads it (utils/child.py)
+    raw = Path(f"/proc/{proc_llm.pid}/environ").read_text()
+    environ = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    assert environ.get(OPENMP_SPIN_ENV) == os.environ.get(OPENMP_SPIN_ENV, OPENMP_SPIN)
+    monkeypatch.setenv(OPENMP_SPIN_ENV, "7")
+    assert child_env(X="1")[OPENMP_SPIN_ENV] == "7" and child_env(X="1")["X"] == "1"
+    monkeypatch.delenv(OPENMP_SPIN_ENV)
+    assert child_env()[OPENMP_SPIN_ENV] == OPENMP_SPIN and OPENMP_SPIN_ENV not in os.environ
 
 
 def test_a_bad_request_raises_its_request_error_here(proc_llm):
