@@ -15,8 +15,9 @@ true, and compiles only that batch's classes (`Executor.claim`).
 
 When every class is already saved (a warm start), each batch stops after its first round: loading a
 class and checking its guards takes one call, and the rest of the 48 tokens only cost time (smollm2's
-16 batches took 22.7 s of a 34 s start, against ~2 s for one round each). A class whose saved guards
-refuse that round is compiled again there, before ready, as in a cold warm-up.
+16 batches took 22.7 s of a 34 s serve start, 4-7 s with one round each, loading included:
+bench/README.md, "Warm start"). A class whose saved guards refuse that round is compiled again there,
+before ready, as in a cold warm-up.
 """
 
 from __future__ import annotations
