@@ -32,6 +32,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from dflash_trt.models.dflash_config import block_size_for, max_draft_len_for
@@ -120,6 +121,7 @@ def run_engine_benchmark(
         "enforce_eager": enforce_eager, "repeats": repeats,
     }  # fmt: skip
     lens = [_draft_len(g) for g in (draft_len or ["auto"])]  # before any model loads
+    config["max_seq_len"] = _max_seq_len(models.target_dir, prompts, max_tokens)
     variants = _variants(modes, trees, lens)
     if lens != ["auto"]:
         config["draft_len"] = lens
@@ -127,12 +129,14 @@ def run_engine_benchmark(
     try:
         for mode, tree, g in variants:
             llms[mode] = _variant_engine(models, config, tree, g, block_size=block_size, trees=trees,
-                                         batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
+                                         batch_sizes=batch_sizes, device=device, dtype=dtype,
                                          enforce_eager=enforce_eager, compile=compile)  # fmt: skip
             if warmup:  # first calls allocate, capture graphs and fill caches
                 from dflash_trt.api.llm import SamplingParams
 
-                llms[mode].generate(list(prompts[:2]), SamplingParams(max_tokens=8, ignore_eos=True))
+                llms[mode].generate(
+                    list(prompts[:2]), SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True)
+                )
         points = _measure_interleaved(llms, batch_sizes, prompts, max_tokens=max_tokens, repeats=repeats,
                                       progress=progress)  # fmt: skip
     finally:
@@ -145,7 +149,7 @@ def run_engine_benchmark(
 
 def _variant_engine(
     models: Any, config: dict[str, Any], tree: int | str | None, draft_len: int | str, *, block_size: int | None,
-    trees: list[int | str], batch_sizes: list[int], max_tokens: int, device: str, dtype: str, enforce_eager: bool,
+    trees: list[int | str], batch_sizes: list[int], device: str, dtype: str, enforce_eager: bool,
     compile: bool | None,
 ) -> Any:  # fmt: skip
     """The engine of one variant (plain decoding when `tree` is None), its facts recorded in `config`."""
@@ -158,8 +162,8 @@ def _variant_engine(
         config["block_size"] = block_size_for(spec["max_draft_len"])
         config["tree_budget"] = trees[0] if len(trees) == 1 else trees
         config["drafter_architecture"] = _architecture(models)
-    llm = _engine(models, spec, batch_sizes=batch_sizes, max_tokens=max_tokens, device=device, dtype=dtype,
-                  enforce_eager=enforce_eager, compile=compile)  # fmt: skip
+    llm = _engine(models, spec, batch_sizes=batch_sizes, max_seq_len=config["max_seq_len"], device=device,
+                  dtype=dtype, enforce_eager=enforce_eager, compile=compile)  # fmt: skip
     config["device"], config["dtype"] = str(llm.device), str(llm.dtype).removeprefix("torch.")
     config["compiled"] = bool(llm.engine.executor.compiled)
     return llm
@@ -284,7 +288,10 @@ def _speculative_config(
     from dflash_trt.models.checkpoint import load_drafter_config
 
     if models.drafter_dir is None:
-        raise ValueError("DFlash mode needs a drafter")
+        from dflash_trt.errors import ConfigError
+
+        raise ConfigError("--drafter", None, f"DFlash modes need a drafter and {models.target_dir.name} has no default",
+                          hint="pass --drafter (a directory or a packaged drafter's name), or --modes ar")  # fmt: skip
     b = block_size or load_drafter_config(models.drafter_dir).block_size
     spec: dict[str, Any] = {
         "decoding_type": "DFlash",
@@ -303,8 +310,23 @@ def _speculative_config(
     return spec
 
 
+_WARMUP_TOKENS = 8  # each engine's first generate(), untimed: allocations, captures, caches
+
+
+def _max_seq_len(target_dir: Path, prompts: tuple[str, ...], max_tokens: int) -> int:
+    """The engines' sequence limit: the longest prompt and its max_tokens (or the warm-up's) fit (at least max_tokens + 256,
+    the limit before prompts were measured: the builtin prompts keep their compiled rounds)."""
+    from dflash_trt.models.sources import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    if tokenizer is None:
+        return max_tokens + 256
+    longest = max((len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts), default=0)
+    return max(max_tokens + 256, longest + max(max_tokens, _WARMUP_TOKENS))
+
+
 def _engine(
-    models: Any, spec: dict[str, Any] | None, *, batch_sizes: list[int], max_tokens: int, **kwargs: Any
+    models: Any, spec: dict[str, Any] | None, *, batch_sizes: list[int], max_seq_len: int, **kwargs: Any
 ) -> Any:
     """An LLM sized for the largest batch, with per-phase round times when its rounds are eager. Its
     compiled rounds are loaded or compiled before it returns (not in the background while it decodes
@@ -319,7 +341,7 @@ def _engine(
             speculative_config=spec,
             max_batch_size=max_b,
             max_num_tokens=max(2048, max_b * 64),
-            max_seq_len=max_tokens + 256,
+            max_seq_len=max_seq_len,
             profile=kwargs.get("compile") is False,
             **kwargs,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from dflash_trt.engine.tree_budget import AUTO_BUDGETS
+from dflash_trt.models.sources import resolve_models
 
 
 def test_modes_prompts_and_pooled_points(cli, tmp_path):
@@ -57,3 +58,19 @@ def test_draft_lengths_auto_and_pinned(cli):
     assert set(result["vs_linear"]) == {"dflash-g15", "dflash-g3"}  # pinned lengths against the automatic one
     code, _, err = cli(["bench", "engine", "--draft-len", "auto,0"])
     assert code == 2 and "--draft-len" in err and "'0'" in err
+
+
+def test_prompts_longer_than_the_old_fixed_limit_fit(cli, tmp_path):
+    """The engines' sequence limit is sized from the prompts (it was max_tokens + 256 whatever they were:
+    the held-out chats of smollm2-135m did not fit), and the limit is reported."""
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"text": "x = 1\n" * 60}) + "\n")  # 360 bytes: tiny's tokens are bytes
+    code, out, err = cli(["bench", "engine", "--modes", "ar", "--batch-sizes", "1", "--max-tokens", "4",
+                          "--prompts", str(prompts), "--eager", "--json"])  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["config"]["max_seq_len"] == 360 + 8 and result["points"][0]["output_tokens"] == 4
+    # a target without a default drafter: DFlash modes name the option to pass
+    target = str(resolve_models("tiny").target_dir)
+    code, _, err = cli(["bench", "engine", "--target", target, "--modes", "dflash", "--eager"])
+    assert code == 2 and "--drafter" in err and "--modes ar" in err, err
