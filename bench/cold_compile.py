@@ -74,6 +74,9 @@ def main() -> None:
     os.environ["DFLASH_TRT_COMPILE_CACHE"] = str(root)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ["DFLASH_TRT_COMPILE_BACKGROUND"] = "0"  # compile before ready, from this process
+    from dflash_trt.utils.child import limit_openmp_spin
+
+    limit_openmp_spin()  # as `dflash-trt precompile` runs (before torch loads libgomp)
     if args.workers is not None:
         os.environ["DFLASH_TRT_COMPILE_WORKERS"] = str(args.workers)
 
