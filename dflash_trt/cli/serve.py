@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -114,16 +115,17 @@ def serve(
     _announce_key(key, host)
     manifest = load_manifest(bundle)
     _check_compile(manifest, compile_rounds=compile_rounds)
-    front = _openai_front(bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url, key)
+    front_args = (bundle, manifest, host, grpc_port, openai_port, openai_model_name, triton_url, key)
+    make_front = functools.partial(_openai_front, *front_args) if openai_port is not None else None
     if triton_url is not None:
-        assert front is not None
-        _front_only(front)
+        assert make_front is not None
+        _front_only(make_front())
         return
     with tempfile.TemporaryDirectory(prefix="dflash-serve-") as tmp:
         server = _triton_server(bundle, manifest, Path(tmp), host=host, ports=(http_port, grpc_port, metrics_port),
                                 log_verbose=log_verbose, quiet=quiet, no_draft=no_draft,
                                 compile_rounds=compile_rounds, key=key)  # fmt: skip
-        outcome, code = _supervise(server, front, manifest, ready_timeout=ready_timeout,
+        outcome, code = _supervise(server, make_front, manifest, ready_timeout=ready_timeout,
                                    drain_timeout=drain_timeout, no_draft=no_draft)  # fmt: skip
     # Exit 0 when every request ended explicitly and the engine shut down cleanly. tritonserver itself
     # may have been killed after that (an idle gRPC stream holds it; see TritonServer.drain).
@@ -194,12 +196,13 @@ def _signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
 
 
 def _supervise(
-    server: TritonServer, front: FrontThread | None, manifest: dict, *, ready_timeout: float,
+    server: TritonServer, make_front: Callable[[], FrontThread] | None, manifest: dict, *, ready_timeout: float,
     drain_timeout: float, no_draft: bool,
 ) -> tuple[str, int | None]:  # fmt: skip
     """Start tritonserver (and the front), watch them until a signal, then drain. Returns the drain's
     outcome and tritonserver's exit code."""
     stop = threading.Event()
+    front: FrontThread | None = None
 
     def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():  # a second signal: no more waiting
@@ -209,7 +212,7 @@ def _supervise(
 
     with _signals(on_signal):
         try:
-            _start(server, front, manifest, ready_timeout=ready_timeout, no_draft=no_draft)
+            front = _start(server, make_front, manifest, ready_timeout=ready_timeout, no_draft=no_draft)
             _watch(server, front, stop)
             if front is not None:
                 front.stop()  # first: in-flight OpenAI requests finish (or are cancelled) while Triton is up
@@ -229,12 +232,16 @@ def _supervise(
 
 
 def _start(
-    server: TritonServer, front: FrontThread | None, manifest: dict, *, ready_timeout: float, no_draft: bool
-) -> None:
-    """tritonserver until the model is ready, the stubs to watch, then the front."""
+    server: TritonServer, make_front: Callable[[], FrontThread] | None, manifest: dict, *, ready_timeout: float,
+    no_draft: bool,
+) -> FrontThread | None:  # fmt: skip
+    """tritonserver until the model is ready, the stubs to watch, then the front, which is built (its
+    chat template loaded: transformers' import and the tokenizer, ~5 s) while tritonserver loads the
+    model. Returns the front."""
     server.start()
     click.echo(f"starting tritonserver ({server.install.source if server.install else '?'}) for "
                f"{manifest['name']} [{manifest['backend']}{', no drafter' if no_draft else ''}]", err=True)  # fmt: skip
+    front = make_front() if make_front is not None else None
     waited = server.wait_ready(ready_timeout)
     click.echo(
         f"ready in {waited:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
@@ -248,6 +255,7 @@ def _start(
         click.echo(
             f"OpenAI-compatible endpoints on {front.url}/v1 (model {front.cfg.served_names[0]})", err=True
         )
+    return front
 
 
 def _announce_key(key, host: str) -> None:
@@ -264,9 +272,7 @@ def _announce_key(key, host: str) -> None:
 
 
 def _openai_front(bundle, manifest, host, grpc_port, openai_port, model_name, triton_url, key):
-    """The OpenAI front's thread (not started), or None without --openai-port."""
-    if openai_port is None:
-        return None
+    """The OpenAI front's thread (not started)."""
     from dflash_trt.openai_front.app import FrontConfig, FrontThread
     from dflash_trt.openai_front.chat import ChatTemplate, tokenizer_source
 

@@ -120,3 +120,42 @@ def test_compile_flag_sets_the_llm_argument_and_needs_the_embedded_engine(tiny_b
     out = subprocess.run([sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(other), "--compile"],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 2 and "--compile needs a bundle for the embedded engine" in out.stderr
+
+
+def test_the_openai_front_is_built_while_tritonserver_loads_the_model():
+    """`serve --openai-port`: tritonserver starts first, the front (its chat template: transformers and
+    the tokenizer, seconds) is built while the model loads, and starts once the model is ready."""
+    from dflash_trt.cli import serve as serve_cli
+
+    calls: list[str] = []
+
+    class FakeServer:
+        install = None
+        http_url = grpc_url = metrics_url = "-"
+
+        def start(self) -> None:
+            calls.append("server.start")
+
+        def wait_ready(self, timeout: float) -> float:
+            calls.append("server.wait_ready")
+            return 0.0
+
+        def watch_stubs(self) -> bool:
+            return True
+
+    class FakeFront:
+        url = "-"
+        cfg = type("Cfg", (), {"served_names": ["m"]})
+
+        def start(self) -> None:
+            calls.append("front.start")
+
+    def make_front() -> FakeFront:
+        calls.append("front built")
+        return FakeFront()
+
+    manifest = {"name": "m", "backend": "torch", "serving": {"model_name": "tensorrt_llm"}}
+    front = serve_cli._start(FakeServer(), make_front, manifest, ready_timeout=1.0, no_draft=False)
+    assert isinstance(front, FakeFront)
+    assert calls == ["server.start", "front built", "server.wait_ready", "front.start"]
+    assert serve_cli._start(FakeServer(), None, manifest, ready_timeout=1.0, no_draft=False) is None
