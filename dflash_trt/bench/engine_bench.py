@@ -131,12 +131,8 @@ def run_engine_benchmark(
             llms[mode] = _variant_engine(models, config, tree, g, block_size=block_size, trees=trees,
                                          batch_sizes=batch_sizes, device=device, dtype=dtype,
                                          enforce_eager=enforce_eager, compile=compile)  # fmt: skip
-            if warmup:  # first calls allocate, capture graphs and fill caches
-                from dflash_trt.api.llm import SamplingParams
-
-                llms[mode].generate(
-                    list(prompts[:2]), SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True)
-                )
+            if warmup:
+                _warm_up(llms[mode], prompts)
         points = _measure_interleaved(llms, batch_sizes, prompts, max_tokens=max_tokens, repeats=repeats,
                                       progress=progress)  # fmt: skip
     finally:
@@ -145,6 +141,13 @@ def run_engine_benchmark(
     config["environment"] = _environment()
     return {"config": config, "points": [{**asdict(p), "overturn_rate": p.overturn_rate} for p in points], "speedup": _speedups(points),
             "vs_linear": _vs_linear(points)}  # fmt: skip
+
+
+def _warm_up(llm: Any, prompts: tuple[str, ...]) -> None:
+    """A short untimed generate: the first calls allocate, capture graphs and fill caches."""
+    from dflash_trt.api.llm import SamplingParams
+
+    llm.generate(list(prompts[:2]), SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True))
 
 
 def _variant_engine(
