@@ -122,12 +122,17 @@ def machine_key(device: torch.device) -> str:
 def use_cache_root(root: str | os.PathLike[str] | None, device: torch.device) -> Path:
     """The directory of this machine's compiled rounds: <root>/<machine key> (root: the argument,
     $DFLASH_TRT_COMPILE_CACHE, or ~/.cache/dflash-trt/compile). Inductor's caches go there too
-    (`point_inductor_at`). Returns the directory."""
+    (`point_inductor_at`), and on the CPU the record of inductor's ISA probe (engine/vec_isa.py).
+    Returns the directory."""
     base = Path(root or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
     directory = base / machine_key(device)
     directory.mkdir(parents=True, exist_ok=True)
     point_inductor_at(directory)
     point_kernels_at(directory / KERNELS_DIR)
+    if device.type == "cpu":
+        from dflash_trt.engine import vec_isa
+
+        vec_isa.trust(directory)
     return directory
 
 
@@ -241,9 +246,10 @@ class RoundCache:
     `fn(runner, *args, **kwargs)`; `None` means: run this round eagerly.
     """
 
-    def __init__(self, cores: dict[str, Core], directory: Path | None) -> None:
+    def __init__(self, cores: dict[str, Core], directory: Path | None, isa_dir: Path | None = None) -> None:
         self._cores = cores  # ROUND: the runner's bound _round_core; PREFILL: its _prefill_core
         self.directory = directory
+        self.isa_dir = isa_dir  # CPU rounds: where inductor's ISA probe is recorded (engine/vec_isa.py)
         self._fns: dict[tuple[Any, ...], Any] = {}
         self._refused: set[tuple[Any, ...]] = set()  # classes whose compilation failed: eager from now on
         self.frozen = False
@@ -385,8 +391,15 @@ class RoundCache:
             path.unlink(missing_ok=True)
             return None
         self.loaded += 1
+        self._record_isa()
         log.info("compiled round %s loaded in %.1f s", path.name, time.perf_counter() - t0)
         return fn
+
+    def _record_isa(self) -> None:
+        if self.isa_dir is not None:
+            from dflash_trt.engine import vec_isa
+
+            vec_isa.record(self.isa_dir)
 
     def _compile(self, key: tuple[Any, ...], args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]) -> Any:
         import torch
@@ -414,6 +427,7 @@ class RoundCache:
             )
             fn = compiled.aot_compile((args, kwargs))
         self.compiled += 1
+        self._record_isa()
         path = self._path(key)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,10 @@ class Executor:
             # the chunk's length (ids, pos, valid) and the tables' page width
             PREFILL: Core(self.parts.prefill, dynamic=((0, 1), (1, 1), (2, 1), (3, 1))),
         }
-        self.rounds = RoundCache(cores, directory)
+        isa_dir = (
+            Path(self.compile_dir) if self.compile_dir is not None and self.device.type == "cpu" else None
+        )
+        self.rounds = RoundCache(cores, directory, isa_dir)
         self._set_host_trees()
 
     def compile_facts(self) -> dict[str, Any]:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch._inductor.config as inductor_config
 
 from dflash_trt import LLM, SamplingParams
 from dflash_trt.models.checkpoint import save_drafter
@@ -39,3 +41,18 @@ def small_llm(pair, cache: Path, **kw) -> LLM:
 
 def tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)]
+
+
+@pytest.fixture
+def untrusted_isa(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inductor's ISA probe untrusted and nothing recorded in this process (engine/vec_isa.py); inductor's
+    setting is put back afterwards (monkeypatch cannot restore a setting of inductor's config proxy)."""
+    from dflash_trt.engine import vec_isa
+
+    monkeypatch.setattr(vec_isa, "_recorded", set())
+    before = inductor_config.cpp.vec_isa_ok
+    inductor_config.cpp.vec_isa_ok = None
+    try:
+        yield
+    finally:
+        inductor_config.cpp.vec_isa_ok = before

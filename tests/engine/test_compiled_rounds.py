@@ -6,6 +6,8 @@ test_precompile.py (a file of their own, so that the two test workers share the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 
 from dflash_trt import LLM, SamplingParams
 from dflash_trt.engine import compile as compile_mod
-from dflash_trt.engine import precompile
+from dflash_trt.engine import precompile, vec_isa
 from tests.engine.conftest import PROMPTS, SP, small_llm, tokens
 
 CLASSES = 10  # the warm-up's shape classes of the small pair (conftest.py), the two prefill classes included
@@ -37,7 +39,7 @@ class FakeChild:
 
 @pytest.mark.slow
 def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_compile(
-    small_pair, tmp_path, monkeypatch
+    small_pair, tmp_path, monkeypatch, untrusted_isa
 ) -> None:
     monkeypatch.setenv(compile_mod.COMPILE_ENV, "1")
     with small_llm(small_pair, tmp_path, compile=False) as eager:
@@ -62,6 +64,10 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     assert alone == want[1]
     saved = sorted(p.name for p in directory.glob(f"*{compile_mod.ARTIFACT_SUFFIX}"))
     assert len(saved) == CLASSES, saved
+    isa_record = directory.parents[1] / vec_isa.RECORD_NAME  # the machine's directory
+    assert (
+        vec_isa.candidates() is None or json.loads(isa_record.read_text())["passed"] == vec_isa.candidates()
+    )
 
     # 2. The next start loads them (seconds, no tracing), runs one round per warm-up batch, and gives
     #    the same tokens.
@@ -77,13 +83,15 @@ def test_compiled_rounds_are_saved_reloaded_and_picked_up_from_a_background_comp
     # The real background compiler, for the same engine: it builds it, finds every class on disk,
     # compiles nothing and exits 0 (the same fingerprint as its parent's).
     req_file = tmp_path / "request.json"
-    req_file.write_text(__import__("json").dumps(__import__("dataclasses").asdict(request)))
+    req_file.write_text(json.dumps(dataclasses.asdict(request)))
     child = subprocess.run(
         [sys.executable, "-m", "dflash_trt.engine.precompile", str(req_file)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert child.returncode == 0, child.stdout + child.stderr
     assert f"0 compiled, {CLASSES} already there" in child.stdout + child.stderr
+    # ... without inductor's ISA probe: its parent's record says it passed on this machine
+    assert vec_isa.candidates() is None or "ISA probe skipped" in child.stdout + child.stderr
 
     # 3. A cold cache with background compiling (the default): ready at once, eager rounds, then each
     #    class is loaded as soon as the (stand-in) child puts it on disk, and the tokens never change.
