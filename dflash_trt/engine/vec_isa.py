@@ -37,12 +37,12 @@ def candidates() -> list[str] | None:
     (not x86-64 Linux): those machines always probe."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return None
-    from torch._inductor import cpu_vec_isa
-
-    flags = cpu_vec_isa.x86_isa_checker()
-    return [
-        str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())
-    ]
+    try:  # inductor's own names (torch 2.13): another torch without them probes as it always did
+        from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+    except ImportError:
+        return None
+    flags = x86_isa_checker()
+    return [str(isa) for isa in supported_vec_isa_list if all(f in flags for f in str(isa).split())]
 
 
 def trust(directory: Path) -> bool:

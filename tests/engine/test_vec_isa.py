@@ -59,3 +59,10 @@ def test_the_users_setting_wins(tmp_path) -> None:
     other.mkdir()
     vec_isa.record(other)
     assert not (other / vec_isa.RECORD_NAME).exists()
+
+
+def test_a_torch_without_inductors_isa_names_keeps_probing(tmp_path, monkeypatch) -> None:
+    monkeypatch.delattr(cpu_vec_isa, "x86_isa_checker")
+    assert vec_isa.candidates() is None
+    (tmp_path / vec_isa.RECORD_NAME).write_text(json.dumps({"passed": ["avx2"]}))
+    assert not vec_isa.trust(tmp_path) and inductor_config.cpp.vec_isa_ok is None
