@@ -122,26 +122,26 @@ def machine_key(device: torch.device) -> str:
 def use_cache_root(root: str | os.PathLike[str] | None, device: torch.device) -> Path:
     """The directory of this machine's compiled rounds: <root>/<machine key> (root: the argument,
     $DFLASH_TRT_COMPILE_CACHE, or ~/.cache/dflash-trt/compile). Inductor's caches go there too
-    (`point_inductor_at`), and on the CPU the record of inductor's ISA probe (engine/vec_isa.py).
-    Returns the directory."""
+    (`point_inductor_at`, with the record of inductor's ISA probe on the CPU). Returns the directory."""
     base = Path(root or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
     directory = base / machine_key(device)
     directory.mkdir(parents=True, exist_ok=True)
-    point_inductor_at(directory)
+    point_inductor_at(directory, cpu=device.type == "cpu")
     point_kernels_at(directory / KERNELS_DIR)
-    if device.type == "cpu":
-        from dflash_trt.engine import vec_isa
-
-        vec_isa.trust(directory)
     return directory
 
 
-def point_inductor_at(directory: str | os.PathLike[str]) -> None:
+def point_inductor_at(directory: str | os.PathLike[str], *, cpu: bool) -> None:
     """Inductor's own caches (FX graphs, kernels) beside our compiled rounds, unless the user set
     TORCHINDUCTOR_CACHE_DIR (torch writes its own default there on first use: that one is replaced).
-    A user's setting moves only inductor's caches: the compiled rounds stay in their directory."""
+    A user's setting moves only inductor's caches: the compiled rounds stay in their directory. `cpu`:
+    inductor's ISA probe is skipped where `directory` records that it passed (engine/vec_isa.py)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    if cpu:
+        from dflash_trt.engine import vec_isa
+
+        vec_isa.trust(Path(directory))
     preset = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if preset and os.path.abspath(preset) != os.path.abspath(default_cache_dir()):
         return

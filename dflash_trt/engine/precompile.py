@@ -244,7 +244,6 @@ def run(request: PrecompileRequest, claims: str | None = None) -> int:
 
     import torch
 
-    from dflash_trt.engine import vec_isa
     from dflash_trt.engine.assemble import build_engine
     from dflash_trt.engine.compile import point_inductor_at
     from dflash_trt.engine.config import EngineConfig
@@ -252,9 +251,7 @@ def run(request: PrecompileRequest, claims: str | None = None) -> int:
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
     from dflash_trt.utils.device import DTYPES
 
-    point_inductor_at(request.compile_root)
-    if request.device == "cpu":
-        vec_isa.trust(Path(request.compile_root))
+    point_inductor_at(request.compile_root, cpu=torch.device(request.device).type == "cpu")
     if request.cpu_threads is not None:
         torch.set_num_threads(request.cpu_threads)
     cpu_gemm.set_threads(request.gemm_threads)
