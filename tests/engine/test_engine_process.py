@@ -7,6 +7,7 @@ end (asked to, killed, its engine raising, its parent gone) ending every request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -87,6 +88,43 @@ def test_outputs_equal_the_in_process_llm(proc_llm):
         assert time.monotonic() < deadline, proc_llm.get_stats()
         time.sleep(0.05)
     assert proc_llm.engine_error is None
+
+
+def _comparable(out):
+    """An output without its clock readings (the two engines ran at different times)."""
+    comps = []
+    for c in out.outputs:
+        m = c.request_perf_metrics
+        spec = dataclasses.asdict(m.speculative_decoding) if m is not None else None
+        comps.append((dataclasses.replace(c, request_perf_metrics=None), spec, m and m.kv_cache_metrics))
+    return dataclasses.replace(out, outputs=[], request_id=0), comps
+
+
+def test_every_streamed_output_equals_the_in_process_llms():
+    """Each output a streaming caller reads (sync iteration: all of them) crosses the pipe in its
+    compact form (api/output_codec.py) and arrives equal to the in-process LLM's: text and ids with
+    their diffs, log-probabilities, the DFlash statistics and KV figures; for two sequences (n = 2)
+    too, whose outputs interleave. A fresh child: its first requests see the cache as the local one."""
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, return_perf_metrics=True, logprobs=2)
+    pair = SamplingParams(
+        max_tokens=16, temperature=0.8, seed=3, n=2, ignore_eos=True, return_perf_metrics=True
+    )
+    local = LLM(**ARGS)
+    try:
+        want = [list(local.generate_async(PROMPTS[1], sp, streaming=True)),
+                list(local.generate_async(PROMPTS[2], pair, streaming=True))]  # fmt: skip
+    finally:
+        local.shutdown()
+    remote = ProcessLLM(**ARGS)
+    try:
+        got = [list(remote.generate_async(PROMPTS[1], sp, streaming=True)),
+               list(remote.generate_async(PROMPTS[2], pair, streaming=True))]  # fmt: skip
+    finally:
+        remote.shutdown()
+    for w, g in zip(want, got, strict=True):
+        assert len(g) == len(w) > 2
+        assert [_comparable(o) for o in g] == [_comparable(o) for o in w]
+    assert got[0][-1].outputs[0].logprobs and len(got[1][-1].outputs) == 2
 
 
 def test_the_engine_process_starts_with_openmp_spin_limited_unless_the_user_set_it(proc_llm, monkeypatch):
@@ -209,7 +247,7 @@ def test_the_childs_sends_never_wait_on_a_parent_that_does_not_read():
     payload = "x" * 200_000  # larger than a pipe's buffer: one message alone would block a writer
     t0 = time.monotonic()
     for i in range(20):
-        link.send(("out", i, payload))
+        link.send(("stats", i, payload))
     assert time.monotonic() - t0 < 1.0  # nothing has been read yet
     got = [rx.recv()[1] for _ in range(20)]
     link.close()
