@@ -91,7 +91,13 @@ def _load_recipe(ctx: click.Context, _param: click.Parameter, value: str | None)
     help="Accept structured-output requests (JSON schema, regex, grammar): guided_decoding_backend: xgrammar "
     "in the bundle's LLM-API config (on). TensorRT-LLM does not combine it with DFlash's rejection sampling.",
 )
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=None)
+@click.option(
+    "--max-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sequences in flight (default 64, both backends; on the CPU the KV cache holds 16 of "
+    "max_seq_len tokens, and requests beyond it wait for pages).",
+)
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None)
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None)
 @click.option("--backend", type=click.Choice(["trtllm", "torch"]), default=None,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash_trt.builder.llm_api import validate_against_field_list, validate_llm_api
 from dflash_trt.errors import ConfigError
@@ -314,6 +315,9 @@ def test_tiny_bundle_layout_and_idempotent_rebuild(tmp_path, cli):
         manifest["backend"] == "torch"
         and manifest["speculative"]["max_draft_len"] == manifest["speculative"]["block_size"] - 1
     )
+    # 64 sequences in flight by default: a served c=64 is one batch, not four waves of 16
+    served = yaml.safe_load((out / "model_repository/tensorrt_llm/1/model.yaml").read_text())
+    assert served["max_batch_size"] == 64 and "max_tokens" not in served["kv_cache_config"]
     code, _, err = cli(["build", "--target", "tiny", "--output", str(out)])
     assert code == 2 and "already holds a bundle" in err and "--force" in err
     before = {f: (out / f).read_bytes() for f in files}

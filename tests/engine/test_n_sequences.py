@@ -176,3 +176,36 @@ def test_llm_api_outputs_streaming_and_best_of(tiny):
         with pytest.raises(RequestError, match="cannot stream") as info:
             llm.generate_async(prompts[0], SamplingParams(n=1, best_of=2), streaming=True)
         assert info.value.field == "best_of"
+
+
+def test_a_batch_wider_than_the_cpu_kv_budget_runs_whole_while_its_pages_fit(tiny):
+    """On the CPU the KV cache holds CPU_FULL_SEQUENCES requests of max_seq_len tokens (engine/assemble.py),
+    not max_batch_size of them: 40 short requests still run in one batch, and longer ones wait for pages."""
+    from dflash_trt.engine.assemble import CPU_FULL_SEQUENCES
+    from dflash_trt.layers.kv_cache import pages_for
+
+    paths, prompts = tiny
+    engine = engine_for(paths, draft=False, batch=64)
+    per_sequence = pages_for(160 + engine.scheduler.scratch_tokens, engine.scheduler.page_size)
+    assert engine.num_kv_pages == CPU_FULL_SEQUENCES * per_sequence
+    assert engine_for(paths, draft=False, batch=4).num_kv_pages == 4 * per_sequence  # narrower: as before
+    assert engine_for(paths, draft=False, batch=64, kv=64 * 160).num_kv_pages == 64 * 10  # the user's budget
+    short = RequestParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    jobs = [(prompts[i % 2][:8], short) for i in range(40)]  # 1 page each: 40 fit, 40 > 16
+    groups = run_one_step(engine, jobs)
+    assert sum(1 for g in groups if g[0].pages) == 40  # every one admitted in the first step
+    while engine.has_work():
+        engine.step()
+    assert all(len(g[0].output_ids) == 8 for g in groups)
+    long = RequestParams(max_tokens=160 - 8, temperature=0.0, ignore_eos=True)
+    groups = run_one_step(engine, [(prompts[0][:8], long)] * (CPU_FULL_SEQUENCES + 4))
+    assert sum(1 for g in groups if g[0].pages) == CPU_FULL_SEQUENCES  # the rest wait for pages
+    while engine.has_work():
+        engine.step()
+    assert all(len(g[0].output_ids) == 160 - 8 for g in groups)
+
+
+def run_one_step(engine, jobs):
+    leaders = [engine.add_request(prompt, params) for prompt, params in jobs]
+    engine.step()
+    return [leader.group for leader in leaders]

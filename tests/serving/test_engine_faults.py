@@ -3,8 +3,8 @@
 (DFLASH_TRT_FAULT_INJECT with DFLASH_TRT_TESTING=1; docs/serving.md, "Failure modes").
 
 Per fault, one server with the OpenAI front and C streams in flight over each of HTTP (SSE), gRPC
-and the OpenAI front, plus non-streaming OpenAI requests (more than the engine's 16 batch rows, so
-some run and some wait in its queue). The engine raises, or hangs, in its STEP-th step, by which
+and the OpenAI front, plus non-streaming OpenAI requests (more than the engine's 16 batch rows, set
+here, so some run and some wait in its queue). The engine raises, or hangs, in its STEP-th step, by which
 time every client has sent its request. Then every client gets an explicit error naming the cause
 (none hangs, none is cut) within 10 s of the fault, the wedge timeout included; readiness fails
 within 10 s; serve exits 1 naming the cause. Deadlines are for a loaded 2-core machine.
@@ -32,6 +32,7 @@ from tests.serving.test_reliability import GEN, stream_body
 pytestmark = pytest.mark.triton_server
 
 C = 16  # concurrent streams per protocol
+BATCH_ROWS = 16  # the engine's batch rows here (the bundle's 64 would hold every client)
 N_PLAIN = 4  # non-streaming OpenAI requests
 STEP = 80  # the engine step the fault fires in: late enough that, on a loaded 2-core machine, every client
 # has sent its request and at least half the batch rows stream (at 40, a loaded run saw only 5 of 16)
@@ -149,10 +150,13 @@ def _first_not_ready(urls: list[str], out: dict[str, float], stop: threading.Eve
 
 
 def _bundle_with_wedge_timeout(tiny_bundle: Path, dest: Path) -> Path:
+    """The bundle with a short wedge timeout and BATCH_ROWS rows (fewer than the clients: some wait in
+    the engine's queue when the fault comes, which a bundle's 64 rows would not make them do)."""
     shutil.copytree(tiny_bundle, dest)
     model_yaml = dest / "model_repository/tensorrt_llm/1/model.yaml"
     cfg = yaml.safe_load(model_yaml.read_text())
     cfg["wedge_timeout_s"] = WEDGE_TIMEOUT_S
+    cfg["max_batch_size"] = BATCH_ROWS
     model_yaml.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return dest
 
