@@ -202,11 +202,52 @@ void row_block(const Group<T> &gp, long r0, long j0, long n) {
   }
 }
 
+// Stage `s` of a 16 x 16 transpose in registers (rows a = i and b = i + s, i & s == 0): the row pair with
+// its off-diagonal s x s blocks swapped. Stages 8, 4, 2, 1 in turn transpose the whole block.
+inline vf16 swap_blocks(vf16 a, vf16 b, int s, bool hi) {
+  switch (s) {
+    case 8: return hi ? __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)
+                   : __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    case 4: return hi ? __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)
+                   : __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    case 2: return hi ? __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+                   : __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    default: return hi ? __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31)
+                   : __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  }
+}
+
+// kt's rows x0 .. x0 + 15, keys k0 .. k0 + 15, from those keys' dimensions x0 .. x0 + 15: sixteen loads, a
+// transpose in registers (64 shuffles) and sixteen stores, where element by element it takes 256 scalar
+// loads and stores.
+template <typename T>
+void transpose_block(const T *const *kp, long k0, long x0, float *kt) {
+  vf16 r[16];
+  for (int i = 0; i < 16; i++) r[i] = load16(kp[k0 + i] + x0);
+  for (int s = 8; s >= 1; s /= 2)
+    for (int i = 0; i < 16; i++)
+      if ((i & s) == 0) {
+        const vf16 a = r[i], b = r[i + s];
+        r[i] = swap_blocks(a, b, s, false);
+        r[i + s] = swap_blocks(a, b, s, true);
+      }
+  for (int i = 0; i < 16; i++) store16(kt + (x0 + i) * TILE + k0, r[i]);
+}
+
 // The tile's n keys (kp[jj]: d values each) widened into kt [d][TILE], key-minor; the missing keys of a
 // short last tile are zeros (they score 0 and are then hidden). Written a row of 16 keys at a time:
-// stores that walk kt with a stride of TILE floats are several times slower.
+// stores that walk kt with a stride of TILE floats are several times slower. A full tile with d a
+// multiple of 16 goes in 16 x 16 blocks transposed in registers on AVX-512 (the same values; the
+// operator twice as fast at T = 1 on `tiny`: bench/README.md, "The paged attention's key tiles in registers").
 template <typename T>
 void transpose_keys(const T *const *kp, long n, long d, float *kt) {
+#ifdef __AVX512F__  // with AVX2 the compiler splits each shuffle into slower sequences than the scalar moves
+  if (n == TILE && d % 16 == 0) {
+    for (long k0 = 0; k0 < TILE; k0 += 16)
+      for (long x0 = 0; x0 < d; x0 += 16) transpose_block(kp, k0, x0, kt);
+    return;
+  }
+#endif
   for (long x = 0; x < d; x++) {
     alignas(64) float row[TILE];
     for (long jj = 0; jj < n; jj++) row[jj] = widen(kp[jj][x]);
