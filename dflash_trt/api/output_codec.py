@@ -148,7 +148,8 @@ class OutputDecoder:
             sent = self._sent[key] = _Sent()
         if prompt is not None:
             sent.prompt = prompt
-        text, ids = sent.prompt if sent.prompt is not None else (None, [])
+        assert sent.prompt is not None, "a request's first output carries its prompt"
+        text, ids = sent.prompt
         outputs = [self._completion(sent, c) for c in comps]
         if finished:
             del self._sent[key]
@@ -168,7 +169,8 @@ class OutputDecoder:
             finish_reason=finish,
             stop_reason=stop,
             text_diff=text_diff,
-            token_ids_diff=list(ids[1]) if ids_diff is None else ids_diff,
+            # the new ids sent once: a copy only where they are token_ids itself (sent whole)
+            token_ids_diff=ids_diff if ids_diff is not None else ids[1] if ids[0] else list(ids[1]),
             request_perf_metrics=self._metrics(sent, i, metrics),
             logprobs=_grown(sent, (i, "logprobs"), logprobs),
             cumulative_logprob=cumulative,

@@ -100,6 +100,15 @@ def _comparable(out):
     return dataclasses.replace(out, outputs=[], request_id=0), comps
 
 
+def _streamed(llm, sp, pair):
+    """Every output of one streamed request with `sp` and one with `pair`, then the LLM shut down."""
+    try:
+        return [list(llm.generate_async(PROMPTS[1], sp, streaming=True)),
+                list(llm.generate_async(PROMPTS[2], pair, streaming=True))]  # fmt: skip
+    finally:
+        llm.shutdown()
+
+
 def test_every_streamed_output_equals_the_in_process_llms():
     """Each output a streaming caller reads (sync iteration: all of them) crosses the pipe in its
     compact form (api/output_codec.py) and arrives equal to the in-process LLM's: text and ids with
@@ -109,18 +118,7 @@ def test_every_streamed_output_equals_the_in_process_llms():
     pair = SamplingParams(
         max_tokens=16, temperature=0.8, seed=3, n=2, ignore_eos=True, return_perf_metrics=True
     )
-    local = LLM(**ARGS)
-    try:
-        want = [list(local.generate_async(PROMPTS[1], sp, streaming=True)),
-                list(local.generate_async(PROMPTS[2], pair, streaming=True))]  # fmt: skip
-    finally:
-        local.shutdown()
-    remote = ProcessLLM(**ARGS)
-    try:
-        got = [list(remote.generate_async(PROMPTS[1], sp, streaming=True)),
-               list(remote.generate_async(PROMPTS[2], pair, streaming=True))]  # fmt: skip
-    finally:
-        remote.shutdown()
+    want, got = _streamed(LLM(**ARGS), sp, pair), _streamed(ProcessLLM(**ARGS), sp, pair)
     for w, g in zip(want, got, strict=True):
         assert len(g) == len(w) > 2
         assert [_comparable(o) for o in g] == [_comparable(o) for o in w]
