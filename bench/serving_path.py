@@ -2,8 +2,10 @@
 """What the serving path in front of the engine costs: CPU per output token of every process on it.
 
 A `tiny` bundle served by `dflash-trt serve --eager --openai-port` with the stand-in engine
-(`DFLASH_TRT_TESTING=1 DFLASH_TRT_STAND_IN=K:MS`, engine/stand_in.py): every round emits K tokens per
-request and takes MS ms, with no model cost, so what the processes spend is the path's own work: the
+(`DFLASH_TRT_TESTING=1 DFLASH_TRT_STAND_IN=K:MS:MODE`, engine/stand_in.py): every round emits K tokens
+per request and takes MS ms on a simulated device, with no model cost (`--rounds overlap`, the default:
+the engine launches each round before it commits the last, as TensorRT-LLM's overlap scheduler does;
+`--rounds serial`: the host's work after each round adds to its MS ms), so what the processes spend is the path's own work: the
 engine's scheduler, stop rules and detokenizer, the engine process's pipe, the Triton Python stub,
 tritonserver, the OpenAI front (a thread of the serve process) and the client (this process, the
 asyncio clients of `dflash-trt bench`). For each K, each protocol (Triton HTTP generate_stream, Triton
@@ -55,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tokens-per-round", default="1,8", help="K: tokens per request per round, comma-separated"
     )
     p.add_argument("--round-ms", type=float, default=10.0, help="how long a stand-in round takes")
+    p.add_argument("--rounds", choices=("overlap", "serial"), default="overlap",
+                   help="overlap: each round launched before the last is committed (TensorRT-LLM's default); "
+                        "serial: one after the other")  # fmt: skip
     p.add_argument(
         "--protocols", default=",".join(PROTOCOLS), help="comma-separated, of " + ", ".join(PROTOCOLS)
     )
@@ -143,10 +148,10 @@ def _get(url: str, timeout: float = 5) -> tuple[int, str]:
         return 0, ""
 
 
-def serve(bundle: Path, k: int, round_ms: float) -> Server:
+def serve(bundle: Path, k: int, round_ms: float, rounds: str) -> Server:
     """`dflash-trt serve --eager --openai-port` on free ports with the stand-in, once ready."""
     http, grpc, metrics, oai = free_ports(4)
-    env = {**os.environ, "DFLASH_TRT_TESTING": "1", "DFLASH_TRT_STAND_IN": f"{k}:{round_ms:g}"}
+    env = {**os.environ, "DFLASH_TRT_TESTING": "1", "DFLASH_TRT_STAND_IN": f"{k}:{round_ms:g}:{rounds}"}
     cmd = [sys.executable, "-m", "dflash_trt", "serve", "--bundle", str(bundle), "--eager", "--quiet",
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--openai-port", str(oai)]  # fmt: skip
@@ -338,7 +343,7 @@ def build_bundle(out: Path, max_batch_size: int) -> Path:
 
 def measure_k(bundle: Path, k: int, args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Serve with K tokens per round; one phase per protocol and concurrency."""
-    srv = serve(bundle, k, args.round_ms)
+    srv = serve(bundle, k, args.round_ms, args.rounds)
     try:
         check_stand_in(srv, k)
         roles = process_roles(srv.proc.pid)
@@ -370,7 +375,7 @@ def table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     head = (f"{env['date']}, {env['cpu_model']} ({env['cpus_usable']} usable of {env['cpu_count']} CPUs), "
             f"commit {env['git_commit']}, Python {env['python']}, tritonserver {env['versions']['tritonserver']}; "
-            f"stand-in rounds of {cfg['round_ms']:g} ms, {cfg['osl']} tokens per request, "
+            f"stand-in rounds of {cfg['round_ms']:g} ms ({cfg.get('rounds', 'serial')}), {cfg['osl']} tokens per request, "
             f"{cfg['warmup']:g} s warm-up + {cfg['duration']:g} s measured per row")  # fmt: skip
     cols = ["protocol", "C", "K", "tok/s", "engine tok/s", "tok/resp",
             *(f"µs/tok {r}" for r in ROLES), "µs/tok total", "µs/resp total", "errors"]  # fmt: skip

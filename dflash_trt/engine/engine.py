@@ -8,11 +8,19 @@ Each `step()`:
   3. prefill the chunks (`ModelRunner.prefill`);
   4. plan: the round's shape (`RoundPlanner.plan`: draft length and DDTree budget, pinned or chosen by
      measured cost for the batch size);
-  5. execute: one round for every running request (`ModelRunner.decode_round`: RoundInputs built once,
+  5. execute: one round for every running request (`ModelRunner.launch_round`: RoundInputs built once,
      run by the executor); every request accepts its own number of drafts; the planner records the
      round's cost;
   6. commit: each request's tokens go through its stop rules (`postprocess.py`); finished requests'
      pages and rows go back to the scheduler.
+
+Overlap: a runner whose rounds run asynchronously (`runner.overlaps`: today the stand-in's simulated
+device, engine/stand_in.py) has round N+1 launched before round N is committed, as TensorRT-LLM's
+overlap scheduler does (on by default in its PyTorch backend, DFlash included): the step collects and
+commits round N while N+1 runs, and the LLM delivers N's outputs meanwhile. A request that round N
+finishes has its round N+1 result dropped; such a runner must not need its pages after its end.
+`ModelRunner` computes a round on the engine thread (`overlaps = False`): launch, collect and commit
+follow each other, so an output is never a round late.
 
 Threading: `add_request` and `abort` may be called from any thread (they only read immutable
 state and put work on thread-safe queues); everything else runs on one engine thread.
@@ -24,7 +32,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dflash_trt.engine import warmup
 from dflash_trt.engine.admission import Admission
@@ -36,12 +44,21 @@ from dflash_trt.engine.runner import ModelRunner, Prefilled
 if TYPE_CHECKING:
     from dflash_trt.engine.executor import Executor
     from dflash_trt.engine.planner import NullPlanner
-    from dflash_trt.engine.round import RoundParts
+    from dflash_trt.engine.round import RoundOutput, RoundParts, RoundShape
     from dflash_trt.engine.scheduler import Scheduler
     from dflash_trt.engine.stand_in import StandInRunner
     from dflash_trt.spec.decoding_config import DFlashDecodingConfig
 
 log = logging.getLogger(__name__)
+
+
+class Launched(NamedTuple):
+    """A round launched and not yet committed: its requests, shape, launch time and result."""
+
+    reqs: list[Request]
+    shape: RoundShape
+    t0: float
+    result: Callable[[], RoundOutput]  # waits for the round when it still runs
 
 
 class LLMEngine:
@@ -69,6 +86,7 @@ class LLMEngine:
         self._new: queue.SimpleQueue[Request] = queue.SimpleQueue()  # from add_request
         self._aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # from abort
         self._live: dict[int, Request] = {}  # every request added and not yet finished
+        self._in_flight: Launched | None = None  # an overlapping runner's round, launched, not committed
         self.num_steps = 0
 
     @property
@@ -97,7 +115,8 @@ class LLMEngine:
         self._aborts.put(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self._new.empty() or not self._aborts.empty()
+        return (self.scheduler.has_work() or self._in_flight is not None or not self._new.empty()
+                or not self._aborts.empty())  # fmt: skip
 
     # --- warm-up (engine thread, before serving) ------------------------------------------------------
     def warm_up(self, claim: Callable[[int], bool] | None = None) -> float:
@@ -119,8 +138,13 @@ class LLMEngine:
         if batch.prefill:
             firsts = self.runner.prefill(batch.prefill, batch.chunks)
             updates.extend(self._start(batch.prefill, batch.chunks, firsts))
-        if batch.decode:
-            updates.extend(self._round(batch.decode))
+        launched = self._launch(batch.decode) if batch.decode else None
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:  # an overlapping runner's round N, committed while N+1 runs
+            updates.extend(self._commit_round(previous))
+        if launched is not None and not self.runner.overlaps:
+            self._in_flight = None
+            updates.extend(self._commit_round(launched))
         self.num_steps += 1
         return updates
 
@@ -144,15 +168,24 @@ class LLMEngine:
             updates.append(self._postprocess(req, [tok], first=True, logprobs=None if lp is None else [lp]))
         return updates
 
-    def _round(self, reqs: list[Request]) -> list[StepUpdate]:
-        """Plan, execute (timed for the planner), commit."""
+    def _launch(self, reqs: list[Request]) -> Launched:
+        """Plan the round and have the runner start it (a synchronous runner runs it whole here)."""
         self._forget_costs_on_new_compiled_rounds()
         shape = self.planner.plan(reqs)
         t0 = self.clock()
-        out = self.runner.decode_round(reqs, shape)
+        return Launched(reqs, shape, t0, self.runner.launch_round(reqs, shape))
+
+    def _commit_round(self, launched: Launched) -> list[StepUpdate]:
+        """Wait for a launched round, time it for the planner and commit each request's tokens; a
+        request that ended while the round was in flight (cancelled, or finished by the round before)
+        is left alone."""
+        reqs, shape, t0, result = launched
+        out = result()
         self.planner.record(shape, len(reqs), self.clock() - t0, out)
         now, updates = time.perf_counter(), []
         for i, req in enumerate(reqs):
+            if req.finished:
+                continue
             a = out.accepted[i]
             req.num_draft_tokens += out.drafted[i]
             req.num_overturned_draft_tokens += out.overturned[i]
@@ -177,6 +210,7 @@ class LLMEngine:
         """End every queued and running request with finish_reason 'error' (after an engine
         failure, or at shutdown): one final update each. Engine thread."""
         self._take_queued()
+        self._in_flight = None  # its tokens are not committed: every request it held fails below
         updates: list[StepUpdate] = []
         for req in list(self._live.values()):
             if not req.finished:  # a sibling may have ended with its leader already

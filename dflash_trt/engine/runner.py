@@ -10,6 +10,7 @@ as a `RoundOutput`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -71,6 +72,10 @@ class Prefilled(NamedTuple):
 
 
 class ModelRunner:
+    # rounds run on the engine thread, so the engine commits each before it launches the next
+    # (engine/engine.py, "Overlap")
+    overlaps = False
+
     def __init__(self, parts: RoundParts, executor: Executor) -> None:
         self.parts = parts
         self.executor = executor
@@ -226,6 +231,11 @@ class ModelRunner:
         dev = self.device
         self.parts.penalty_state().add(torch.tensor(rows, device=dev), torch.tensor(first, device=dev)[:, None],
                                        torch.ones(len(rows), 1, dtype=torch.bool, device=dev))  # fmt: skip
+
+    def launch_round(self, reqs: list[Request], shape: RoundShape) -> Callable[[], RoundOutput]:
+        """Run the round now (the engine's launch): its result is ready when this returns."""
+        out = self.decode_round(reqs, shape)
+        return lambda: out
 
     @torch.inference_mode()
     def decode_round(self, reqs: list[Request], shape: RoundShape) -> RoundOutput:

@@ -2,10 +2,14 @@
 """The stand-in engine: tokens at a set rate with no model cost, to measure the serving path in front
 of the engine (docs/serving.md, "Measuring the serving path"; bench/serving_path.py).
 
-`DFLASH_TRT_STAND_IN=K:MS` replaces the engine's model runner (engine/runner.py) with `StandInRunner`:
-a prefill emits each complete prompt's first token at once, and every round emits K tokens per
-running request and takes MS ms (it sleeps what its own host work left of them: the simulated GPU
-time). Everything else stays real: the scheduler, the stop rules and the detokenizer of the engine,
+`DFLASH_TRT_STAND_IN=K:MS[:overlap|:serial]` replaces the engine's model runner (engine/runner.py) with
+`StandInRunner`: a prefill emits each complete prompt's first token at once, and every round emits K
+tokens per running request and takes MS ms on a simulated device that runs one round at a time. With
+`overlap` (the default) the engine launches round N+1 before it commits round N, as TensorRT-LLM's
+overlap scheduler does on a GPU (engine/engine.py, "Overlap"): the host's work hides under the
+device's MS ms as long as it takes less. With `serial` each round is committed before the next is
+launched (TensorRT-LLM's `disable_overlap_scheduler=True`): every round costs MS ms plus the host's
+work. Everything else stays real: the scheduler, the stop rules and the detokenizer of the engine,
 the LLM API, the engine process and its pipes, the Triton stub, tritonserver and the OpenAI front.
 The tokens cycle through printable token ids of the tokenizer (so detokenizing them is real work);
 a round reports K - 1 drafts, all accepted, so the DFlash statistics read tau = K. No KV cache is
@@ -38,10 +42,14 @@ STAND_IN_ENV = "DFLASH_TRT_STAND_IN"
 MAX_TOKEN_IDS = 64  # distinct ids a stand-in cycles through
 
 
+MODES = ("overlap", "serial")
+
+
 @dataclass(frozen=True, slots=True)
 class StandIn:
     tokens_per_round: int  # K: tokens each running request gets per round (K - 1 accepted drafts)
-    round_ms: float  # how long a round takes (0: as fast as the host can go)
+    round_ms: float  # how long a round takes on the simulated device (0: as fast as the host can go)
+    overlap: bool = True  # the engine launches the next round before it commits this one
 
 
 def stand_in_from_env(environ: Mapping[str, str] | None = None) -> StandIn | None:
@@ -53,14 +61,19 @@ def stand_in_from_env(environ: Mapping[str, str] | None = None) -> StandIn | Non
     if env.get(TESTING_ENV) != "1":
         log.warning("%s=%r ignored: the stand-in engine needs %s=1", STAND_IN_ENV, spec, TESTING_ENV)
         return None
-    k, _, ms = spec.partition(":")
+    k, ms, *mode = spec.split(":") if spec.count(":") in (1, 2) else ("", "")
     try:
-        stand_in = StandIn(int(k), float(ms))
+        stand_in = StandIn(int(k), float(ms), mode in ([], [MODES[0]]))
     except ValueError:
         stand_in = StandIn(0, -1.0)
-    if stand_in.tokens_per_round < 1 or not 0 <= stand_in.round_ms < 3_600_000:
-        raise ConfigError(STAND_IN_ENV, spec, "is not TOKENS_PER_ROUND:ROUND_MS with TOKENS_PER_ROUND >= 1 "
-                          "and ROUND_MS >= 0", hint="e.g. 8:10 (8 tokens per request every 10 ms), or unset it")  # fmt: skip
+    if (
+        stand_in.tokens_per_round < 1
+        or not 0 <= stand_in.round_ms < 3_600_000
+        or mode not in ([], *([m] for m in MODES))
+    ):
+        raise ConfigError(STAND_IN_ENV, spec, "is not TOKENS_PER_ROUND:ROUND_MS[:overlap|:serial] with "
+                          "TOKENS_PER_ROUND >= 1 and ROUND_MS >= 0",
+                          hint="e.g. 8:10 (8 tokens per request every 10 ms, rounds overlapped), or unset it")  # fmt: skip
     return stand_in
 
 
@@ -84,18 +97,24 @@ def printable_ids(tokenizer: Any | None, vocab_size: int, avoid: Iterable[int]) 
 
 
 class StandInRunner:
-    """`ModelRunner`'s `prefill` and `decode_round`, with no model behind them (module docstring)."""
+    """`ModelRunner`'s `prefill`, `launch_round` and `decode_round`, with no model behind them (module
+    docstring). `overlaps` tells the engine whether to launch a round before it commits the last."""
 
     def __init__(self, stand_in: StandIn, token_ids: list[int], *, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
         self.stand_in = stand_in
+        self.overlaps = stand_in.overlap
         self.token_ids = token_ids
         self.times = PhaseTimes()
         self._sleep, self._clock = sleep, clock
+        self._free_at = 0.0  # when the simulated device finishes the last round launched
+        self._rounds = 0  # rounds launched
+        self._uncommitted: tuple[int, frozenset[int]] = (0, frozenset())  # (round, its request ids) in flight
 
-    def _tokens(self, req: Request, n: int) -> list[int]:
-        """The request's next n tokens: the cycle, at the request's output position."""
-        base, ids = len(req.output_ids), self.token_ids
+    def _tokens(self, req: Request, n: int, ahead: int = 0) -> list[int]:
+        """The request's next n tokens: the cycle, at the request's output position plus `ahead` tokens
+        launched and not yet committed."""
+        base, ids = len(req.output_ids) + ahead, self.token_ids
         return [ids[(base + j) % len(ids)] for j in range(n)]
 
     def prefill(self, reqs: list[Request], chunks: list[tuple[int, int]]) -> Prefilled:
@@ -114,11 +133,13 @@ class StandInRunner:
         self.times.prefill_s += self._clock() - t0
         return Prefilled(tokens, [None] * len(reqs), tuple(forked))
 
-    def decode_round(self, reqs: list[Request], shape: RoundShape) -> RoundOutput:
-        """K tokens per request (K - 1 accepted drafts, then the emitted one); the round lasts ROUND_MS."""
-        t0 = self._clock()
+    def launch_round(self, reqs: list[Request], shape: RoundShape) -> Callable[[], RoundOutput]:
+        """K tokens per request (K - 1 accepted drafts, then the emitted one), ready ROUND_MS after the
+        simulated device is free; the returned function waits for them."""
+        start = max(self._clock(), self._free_at)
         k = self.stand_in.tokens_per_round
-        rows = [self._tokens(req, k) for req in reqs]
+        in_flight = self._uncommitted[1]  # the round before, when the engine has not committed it yet
+        rows = [self._tokens(req, k, k if req.request_id in in_flight else 0) for req in reqs]
         out = RoundOutput(
             accepted=[k - 1] * len(reqs),
             emitted=[r[-1] for r in rows],
@@ -127,12 +148,26 @@ class StandInRunner:
             path=[list(range(k)) for _ in reqs],
             overturned=[0] * len(reqs),
         )
-        left = t0 + self.stand_in.round_ms / 1000 - self._clock()
-        if left > 0:
-            self._sleep(left)
-        self.times.round_s += self._clock() - t0
-        self.times.rounds += 1
-        return out
+        self._free_at = ready = start + self.stand_in.round_ms / 1000
+        self._rounds += 1
+        number = self._rounds
+        self._uncommitted = (number, frozenset(req.request_id for req in reqs))
+
+        def result() -> RoundOutput:
+            left = ready - self._clock()
+            if left > 0:
+                self._sleep(left)
+            if self._uncommitted[0] == number:  # the engine commits what this returns
+                self._uncommitted = (number, frozenset())
+            self.times.round_s += ready - start
+            self.times.rounds += 1
+            return out
+
+        return result
+
+    def decode_round(self, reqs: list[Request], shape: RoundShape) -> RoundOutput:
+        """One round, launched and waited for."""
+        return self.launch_round(reqs, shape)()
 
 
 def install_from_env(engine: LLMEngine, environ: Mapping[str, str] | None = None) -> StandIn | None:
@@ -142,6 +177,6 @@ def install_from_env(engine: LLMEngine, environ: Mapping[str, str] | None = None
         return None
     ids = printable_ids(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     engine.runner = StandInRunner(stand_in, ids)
-    log.warning("stand-in engine armed: %d tokens per request per %g ms round, no model cost (%s=1)",
-                stand_in.tokens_per_round, stand_in.round_ms, TESTING_ENV)  # fmt: skip
+    log.warning("stand-in engine armed: %d tokens per request per %g ms round, rounds %s, no model cost (%s=1)",
+                stand_in.tokens_per_round, stand_in.round_ms, MODES[not stand_in.overlap], TESTING_ENV)  # fmt: skip
     return stand_in

@@ -45,3 +45,4 @@ def test_small_grid_measures_every_protocol_and_process(tmp_path):
     env = result["environment"]
     assert env["cpu_count"] >= 1 and env["git_commit"] and env["versions"]["tritonserver"]
     assert "| openai-completions | 2 | 3 |" in run.stdout and f"commit {env['git_commit']}" in run.stdout
+    assert result["config"]["rounds"] == "overlap" and "stand-in rounds of 5 ms (overlap)" in run.stdout
