@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
@@ -439,34 +440,45 @@ def _serve_parent(rx: Connection, link: _Link) -> int:
         return 1
     sent = llm.get_stats()
     link.send(("ready", os.getpid(), sent))
+    due = time.monotonic() + STATS_PERIOD_S
     while True:
         try:
-            if not rx.poll(STATS_PERIOD_S):
-                sent = _send_stats(llm, link, sent)
+            # the stats go out every STATS_PERIOD_S, however busy the parent keeps this loop
+            ready = rx.poll(max(0.0, due - time.monotonic()))
+            if time.monotonic() >= due:
+                sent, due = _send_stats(llm, link, sent), time.monotonic() + STATS_PERIOD_S
+            if not ready:
                 continue
             msg = rx.recv()
         except (EOFError, OSError):  # the parent is gone: nobody is left to answer
             llm.shutdown()
             return 0
-        kind = msg[0]
-        if kind == "submit":
-            _, key, inputs, sampling_params, streaming = msg
-            llm.next_key = key
-            try:
-                handle = llm.generate_async(inputs, sampling_params, streaming=streaming)
-            except BaseException as exc:
-                llm.by_key.pop(key, None)
-                link.send(("rejected", key, _portable(exc)))
-                continue
-            link.send(("accepted", key, handle.request_id, handle.prompt, handle.prompt_token_ids))
-        elif kind == "abort":
-            child = llm.by_key.get(msg[1])
-            if child is not None:
-                child.abort()
-        elif kind == "shutdown":
-            llm.shutdown()
+        if not _handle(llm, link, msg):
             _send_stats(llm, link, sent)
             return 0
+
+
+def _handle(llm: _ChildLLM, link: _Link, msg: tuple[Any, ...]) -> bool:
+    """One message from the parent; False once it said shutdown (the LLM is shut down then)."""
+    kind = msg[0]
+    if kind == "submit":
+        _, key, inputs, sampling_params, streaming = msg
+        llm.next_key = key
+        try:
+            handle = llm.generate_async(inputs, sampling_params, streaming=streaming)
+        except BaseException as exc:
+            llm.by_key.pop(key, None)
+            link.send(("rejected", key, _portable(exc)))
+            return True
+        link.send(("accepted", key, handle.request_id, handle.prompt, handle.prompt_token_ids))
+    elif kind == "abort":
+        child = llm.by_key.get(msg[1])
+        if child is not None:
+            child.abort()
+    elif kind == "shutdown":
+        llm.shutdown()
+        return False
+    return True
 
 
 def _send_stats(llm: LLM, link: _Link, sent: dict[str, Any]) -> dict[str, Any]:

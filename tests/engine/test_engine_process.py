@@ -136,6 +136,18 @@ def test_the_engine_process_starts_with_openmp_spin_limited_unless_the_user_set_
     assert child_env()[OPENMP_SPIN_ENV] == OPENMP_SPIN and OPENMP_SPIN_ENV not in os.environ
 
 
+def test_the_childs_counters_arrive_while_requests_keep_coming(proc_llm):
+    """Stats go out every STATS_PERIOD_S (0.1 s) even when the parent's messages arrive more often
+    (they once went out only when 0.1 s passed without one: never, under load)."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    seen = set()
+    for _ in range(50):  # a request every 30 ms for 1.5 s
+        list(proc_llm.generate_async(PROMPTS[0], one, streaming=False))
+        seen.add(proc_llm.get_stats().get("steps"))
+        time.sleep(0.03)
+    assert len(seen) >= 5, seen
+
+
 def test_a_bad_request_raises_its_request_error_here(proc_llm):
     with pytest.raises(RequestError, match=r"max_tokens=0") as info:
         proc_llm.generate_async(PROMPTS[0], SamplingParams(max_tokens=0))
