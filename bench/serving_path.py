@@ -166,9 +166,10 @@ def serve(bundle: Path, k: int, round_ms: float, rounds: str) -> Server:
     return srv
 
 
-def metric(srv: Server, name: str) -> float:
-    """A counter or gauge of the model's metrics, summed over its label sets."""
-    text = _get(srv.metrics)[1]
+def metric(srv: Server, name: str, text: str | None = None) -> float:
+    """A counter or gauge of the model's metrics (from `text`, a metrics page, or fetched), summed over
+    its label sets."""
+    text = _get(srv.metrics)[1] if text is None else text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))  # fmt: skip
 
@@ -222,8 +223,22 @@ def _count_at(raw: Any, t: float) -> int:
 
 
 def _snapshot(roles: dict[str, int], srv: Server) -> dict[str, Any]:
+    page = _get(srv.metrics)[1]
     return {"t": time.perf_counter(), "cpu": {r: cpu_seconds(pid) for r, pid in roles.items()},
-            "engine_tokens": metric(srv, "dflash_output_tokens_total")}  # fmt: skip
+            "engine_tokens": metric(srv, "dflash_output_tokens_total", page),
+            "request_rounds": metric(srv, "dflash_rounds_total", page),
+            "engine_rounds": metric(srv, "dflash_round_duration_seconds_count", page)}  # fmt: skip
+
+
+def _latencies(raws: list[Any], t0: float, t1: float) -> dict[str, float | None]:
+    """Medians over the requests sent and finished inside the window: time to the first response,
+    and from sending to the final one."""
+    done = [r for r in raws if r.error is None and r.times and t0 <= r.send_t and r.done_t is not None
+            and r.done_t <= t1]  # fmt: skip
+    ttft = sorted(r.times[0] - r.send_t for r in done)
+    whole = sorted(r.done_t - r.send_t for r in done)
+    return {"ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
+            "request_p50_s": whole[len(whole) // 2] if whole else None}  # fmt: skip
 
 
 async def _phase_load(client: Any, payload: Any, c: int, args: argparse.Namespace, roles: dict[str, int],
@@ -271,7 +286,13 @@ def summarize(raws: list[Any], before: dict[str, Any], after: dict[str, Any]) ->
     tokens = sum(_count_at(r, t1) - _count_at(r, t0) for r in raws)
     responses = sum(1 for r in raws for t in r.times if t0 < t <= t1)
     cpu = {role: after["cpu"][role] - before["cpu"][role] for role in ROLES}
+    rounds = after["engine_rounds"] - before["engine_rounds"]
     return {
+        **_latencies(raws, t0, t1),
+        # requests in an engine round, on average (each adds one to dflash_rounds_total)
+        "requests_per_round": (after["request_rounds"] - before["request_rounds"]) / rounds
+        if rounds
+        else None,
         "wall_s": wall,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / wall,
@@ -363,7 +384,8 @@ def _line(row: dict[str, Any]) -> str:
     us = row["cpu_us_per_token"]
     cells = [row["protocol"], str(row["concurrency"]), str(row["tokens_per_round"]),
              f"{row['output_tokens_per_s']:.0f}", f"{row['engine_tokens_per_s']:.0f}",
-             f"{row['tokens_per_response'] or 0:.2f}",
+             f"{row['tokens_per_response'] or 0:.2f}", f"{row['requests_per_round'] or 0:.1f}",
+             f"{1000 * (row['ttft_p50_s'] or 0):.0f}",
              *(f"{us[r]:.0f}" if us[r] is not None else "-" for r in ROLES),
              f"{row['total_cpu_us_per_token'] or 0:.0f}", f"{row['total_cpu_us_per_response'] or 0:.0f}",
              str(len(row["errors"]))]  # fmt: skip
@@ -377,7 +399,7 @@ def table(result: dict[str, Any]) -> str:
             f"commit {env['git_commit']}, Python {env['python']}, tritonserver {env['versions']['tritonserver']}; "
             f"stand-in rounds of {cfg['round_ms']:g} ms ({cfg.get('rounds', 'serial')}), {cfg['osl']} tokens per request, "
             f"{cfg['warmup']:g} s warm-up + {cfg['duration']:g} s measured per row")  # fmt: skip
-    cols = ["protocol", "C", "K", "tok/s", "engine tok/s", "tok/resp",
+    cols = ["protocol", "C", "K", "tok/s", "engine tok/s", "tok/resp", "req/round", "TTFT p50 ms",
             *(f"µs/tok {r}" for r in ROLES), "µs/tok total", "µs/resp total", "errors"]  # fmt: skip
     rule = "|" + "|".join("---" for _ in cols) + "|"
     return "\n".join([head, "", "| " + " | ".join(cols) + " |", rule, *(_line(r) for r in result["phases"])])
