@@ -83,11 +83,6 @@ class TritonPythonModel:
             engine_error=lambda: self.llm.engine_error, on_count=self.metrics.set_in_flight,
         )  # fmt: skip
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-tokenize")
-        # Streamed responses are sent from threads of their own: a send waits for tritonserver to take
-        # the response (the Python backend's ResponseSender::Send, GIL released), ~0.1-0.3 ms that
-        # stalled this loop and every request behind it. Two: tritonserver takes two at once, more
-        # measured slower on 2 cores (bench/README.md, "Streamed responses sent off the event loop").
-        self.sending = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-send")
         self.thread = threading.Thread(target=self._run_loop, name="dflash-triton-loop", daemon=True)
         self.thread.start()
         watch = self.liveness.watch_engine(self.llm, self.tracker, self.metrics.publish_engine_stats)
@@ -172,11 +167,9 @@ class TritonPythonModel:
                     )
                     return
                 # Cancellation is the watcher's to see (every check_period): asking per response is
-                # a round trip to the server each time. One response of a request in flight at a time
-                # (so they keep their order); outputs that arrive meanwhile merge into the next.
+                # a round trip to the server each time.
                 if parsed.streaming:
-                    send = functools.partial(sender.send, self.codec.response(output, parsed), flags=0)
-                    await self.loop.run_in_executor(self.sending, send)
+                    sender.send(self.codec.response(output, parsed), flags=0)
             raise RuntimeError("the engine ended the request without a final output")  # never a silent end
         except Exception as exc:  # the engine stopped (died, or was shut down) or failed the request
             self.tracker.fail(sender, request.request_id(), exc, tokens=sum(t for _, t in seen.values()))
@@ -201,6 +194,5 @@ class TritonPythonModel:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
             self.pool.shutdown(wait=False, cancel_futures=True)
-            self.sending.shutdown(wait=False, cancel_futures=True)
             self.liveness.mark_finalized()
             pb_utils.Logger.log_info(f"{self.model_name}: finalized")
