@@ -16,6 +16,33 @@ from dflash_trt.api.params import SamplingParams
 from dflash_trt.errors import EngineDeadError
 
 
+class Wakes:
+    """One step's outputs for async consumers, grouped by event loop: `send` wakes each loop once to
+    queue all of its outputs. At 64 requests a step, one wake-up (a write to the loop's self-pipe and a
+    callback) per output was 64 of them per step."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]
+        ] = {}
+
+    def add(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[RequestOutput], item: RequestOutput
+    ) -> None:
+        self._by_loop.setdefault(loop, []).append((queue, item))
+
+    def send(self) -> None:
+        for loop, items in self._by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that consumer's loop is closed
+                loop.call_soon_threadsafe(_put_all, items)
+        self._by_loop = {}
+
+
+def _put_all(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class GenerationHandle:
     """What `generate_async` returns: await it, iterate it (sync or async), or abort it.
 
@@ -73,8 +100,10 @@ class GenerationHandle:
                 self._loop = loop
             return self._aqueue
 
-    def push(self, item: RequestOutput) -> None:
-        """Deliver one output (the LLM's engine thread, or its watchdog). Ignored once finished."""
+    def push(self, item: RequestOutput, wakes: Wakes | None = None) -> None:
+        """Deliver one output (the LLM's engine thread, or its watchdog). Ignored once finished. With
+        `wakes`, an async consumer's loop is woken by `wakes.send()`, once for all of a step's outputs,
+        instead of once for this one."""
         with self._cond:
             if self._done:
                 return
@@ -87,6 +116,9 @@ class GenerationHandle:
             self._cond.notify_all()
             loop, queue = self._loop, self._aqueue
         if keep and loop is not None and queue is not None:
+            if wakes is not None:
+                wakes.add(loop, queue, item)
+                return
             with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_trt.api.handle import GenerationHandle
+from dflash_trt.api.handle import GenerationHandle, Wakes
 from dflash_trt.api.outputs import (
     CompletionOutput,
     KvCacheMetrics,
@@ -465,8 +465,10 @@ class LLM:
     def _publish(self, outputs: list[tuple[GenerationHandle, RequestOutput]]) -> None:
         """Hand one step's outputs to their requests (api/process.py's worker sends them to its parent
         process in one message instead)."""
+        wakes = Wakes()
         for handle, out in outputs:
-            handle.push(out)
+            handle.push(out, wakes)
+        wakes.send()
 
     def _td(self, t: float | None) -> datetime.timedelta | None:
         return None if t is None else datetime.timedelta(0, t - self._t0)  # positional: 2.5x faster

@@ -45,7 +45,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
-from dflash_trt.api.handle import GenerationHandle
+from dflash_trt.api.handle import GenerationHandle, Wakes
 from dflash_trt.api.llm import LLM
 from dflash_trt.api.output_codec import OutputDecoder, OutputEncoder
 from dflash_trt.api.outputs import RequestOutput
@@ -208,8 +208,10 @@ class ProcessLLM:
         """One message from the child (the wire format is in the module docstring)."""
         kind = msg[0]
         if kind == "out":
+            wakes = Wakes()
             for wire in msg[1]:
-                self._push(wire)
+                self._push(wire, wakes)
+            wakes.send()
         elif kind in ("accepted", "rejected"):
             with self._lock:
                 self._replies[msg[1]] = msg
@@ -225,7 +227,7 @@ class ProcessLLM:
         elif kind == "log":
             _relay_log(*msg[1:])
 
-    def _push(self, wire: tuple[Any, ...]) -> None:
+    def _push(self, wire: tuple[Any, ...], wakes: Wakes) -> None:
         """One output to its request's handle (decoded even when nobody waits for it: the decoder
         keeps what later outputs build on)."""
         try:
@@ -245,7 +247,7 @@ class ProcessLLM:
         if out.finished:
             with self._lock:
                 self._live.pop(key, None)
-        handle.push(out)
+        handle.push(out, wakes)
 
     def _link_closed(self) -> None:
         """The child's end is closed: it exited (asked to, or not). Fail whatever is still pending."""
@@ -374,7 +376,7 @@ class _ChildHandle(GenerationHandle):
             return None
         return self.key, out
 
-    def push(self, item: RequestOutput) -> None:  # fail() ends here
+    def push(self, item: RequestOutput, wakes: Wakes | None = None) -> None:  # fail() ends here
         wire = self.forward(item)
         if wire is not None:
             self.link.send(("out", [wire]))
