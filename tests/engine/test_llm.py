@@ -272,6 +272,60 @@ def test_a_streaming_consumer_that_falls_behind_gets_the_missed_outputs_as_one()
     assert [i.outputs[0].text_diff for i in h] == words  # sync iteration: every output, unmerged
 
 
+def test_a_steps_outputs_wake_each_consumer_loop_once():
+    """Outputs pushed with a `Wakes` reach their async consumers in order, through one callback per
+    event loop for the whole step, and only once `send` runs."""
+    import threading
+
+    from dflash_trt.api.handle import GenerationHandle, Wakes
+    from dflash_trt.api.outputs import CompletionOutput, RequestOutput
+
+    def out(rid: int, n: int) -> RequestOutput:
+        comp = CompletionOutput(
+            index=0, text="x" * n, token_ids=list(range(n)), text_diff="x", token_ids_diff=[n - 1]
+        )
+        return RequestOutput(
+            request_id=rid, prompt="p", prompt_token_ids=[1], outputs=[comp], finished=n == 3
+        )
+
+    async def run() -> tuple[list[list[int]], list[str]]:
+        loop = asyncio.get_running_loop()
+        calls: list[str] = []  # the callbacks other threads scheduled on this loop
+        real = loop.call_soon_threadsafe
+
+        def counted(*args):
+            calls.append(getattr(args[0], "__name__", "?"))
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        handles = [GenerationHandle(prompt="p", prompt_ids=[1], sampling_params=SamplingParams(), streaming=True,
+                                    on_abort=lambda h: None) for _ in range(2)]  # fmt: skip
+        for h in handles:
+            h._bind(loop)
+
+        def engine_step(n: int) -> None:  # another thread, as the engine's or the pipe reader's
+            wakes = Wakes()
+            for rid, h in enumerate(handles):
+                h.push(out(rid, n), wakes)
+            assert all(h._aqueue.empty() for h in handles)  # nothing queued before send
+            wakes.send()
+
+        async def consume(h: GenerationHandle) -> list[int]:
+            return [len(item.outputs[0].token_ids) async for item in h]
+
+        tasks = [asyncio.ensure_future(consume(h)) for h in handles]
+        for n in (1, 2, 3):
+            worker = threading.Thread(target=engine_step, args=(n,))
+            worker.start()
+            await asyncio.to_thread(worker.join)
+            await asyncio.sleep(0)  # let the consumers take this step's outputs before the next
+        return [await t for t in tasks], calls
+
+    lengths, calls = asyncio.run(run())
+    assert lengths == [[1, 2, 3], [1, 2, 3]]
+    assert calls.count("_put_all") == 3 and "put_nowait" not in calls, calls  # one wake-up per step
+
+
 def test_sync_streaming_and_non_streaming_agree():
     with LLM(
         "tiny",
