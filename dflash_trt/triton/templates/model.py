@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import json
 import threading
 import time
@@ -100,10 +99,13 @@ class TritonPythonModel:
     # --- requests -------------------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+            self.pool.submit(self._admit, request, time.monotonic())
 
-    async def _serve(self, request: Any) -> None:
-        started = time.monotonic()
+    def _admit(self, request: Any, started: float) -> None:
+        """On a worker thread: check, parse and submit the request (generate_async tokenizes and
+        validates; the engine process answers), then stream it on the loop. Off the loop: under load
+        the loop runs a step's responses between two turns, and a new request waited for two of them
+        (its start, then its submission's answer) before its first token went out."""
         sender = request.get_response_sender()
         rid = request.request_id()
         try:
@@ -115,7 +117,7 @@ class TritonPythonModel:
                 self.tracker.stop(rid)
                 self.codec.send_error(sender, "stopped", "CANCELLED")
                 return
-            handle = await self._submit(parsed)
+            handle = self._submit(parsed)
         except RequestInputError as exc:
             self.codec.send_error(sender, str(exc), "INVALID_ARG", field=exc.field)
             return
@@ -126,19 +128,34 @@ class TritonPythonModel:
             self.tracker.fail(sender, rid, exc, tokens=0)
             return
         self.tracker.track(rid, handle)
+        serve = self._serve(request, sender, rid, handle, parsed, started)
+        try:
+            asyncio.run_coroutine_threadsafe(serve, self.loop)
+        except RuntimeError as exc:  # the loop is closed: the model is being finalized
+            serve.close()
+            self.tracker.untrack(rid, handle)
+            handle.abort()
+            self.tracker.fail(sender, rid, exc, tokens=0)
+
+    async def _serve(
+        self,
+        request: Any,
+        sender: Any,
+        rid: str,
+        handle: RequestStream,
+        parsed: ParsedRequest,
+        started: float,
+    ) -> None:
         try:
             await self._stream(request, sender, handle, parsed, started)
         finally:
             self.tracker.untrack(rid, handle)
 
-    async def _submit(self, parsed: ParsedRequest) -> RequestStream:
-        """generate_async on a worker thread: it tokenizes and validates (the engine's one place for
-        semantic checks; a bad request raises ValueError). The stream is consumed on this loop."""
-        submit = functools.partial(
-            self.llm.generate_async, parsed.prompt, parsed.sampling, streaming=parsed.streaming
-        )
+    def _submit(self, parsed: ParsedRequest) -> RequestStream:
+        """generate_async: it tokenizes and validates (the engine's one place for semantic checks; a bad
+        request raises ValueError). The stream is consumed on the loop."""
         try:
-            return await self.loop.run_in_executor(self.pool, submit)
+            return self.llm.generate_async(parsed.prompt, parsed.sampling, streaming=parsed.streaming)
         except ValueError as exc:  # RequestError (naming its field) or TensorRT-LLM's ValueError
             raise RequestInputError(str(exc), field=getattr(exc, "field", None)) from None
 
