@@ -466,9 +466,11 @@ class LLM:
         """Hand one step's outputs to their requests (api/process.py's worker sends them to its parent
         process in one message instead)."""
         wakes = Wakes()
-        for handle, out in outputs:
-            handle.push(out, wakes)
-        wakes.send()
+        try:
+            for handle, out in outputs:
+                handle.push(out, wakes)
+        finally:  # what was delivered reaches its consumers whatever failed after it
+            wakes.send()
 
     def _td(self, t: float | None) -> datetime.timedelta | None:
         return None if t is None else datetime.timedelta(0, t - self._t0)  # positional: 2.5x faster

@@ -209,9 +209,11 @@ class ProcessLLM:
         kind = msg[0]
         if kind == "out":
             wakes = Wakes()
-            for wire in msg[1]:
-                self._push(wire, wakes)
-            wakes.send()
+            try:
+                for wire in msg[1]:
+                    self._push(wire, wakes)
+            finally:  # what was delivered reaches its consumers whatever failed after it
+                wakes.send()
         elif kind in ("accepted", "rejected"):
             with self._lock:
                 self._replies[msg[1]] = msg
