@@ -139,12 +139,12 @@ class LLMEngine:
             firsts = self.runner.prefill(batch.prefill, batch.chunks)
             updates.extend(self._start(batch.prefill, batch.chunks, firsts))
         launched = self._launch(batch.decode) if batch.decode else None
-        previous, self._in_flight = self._in_flight, launched
-        if previous is not None:  # an overlapping runner's round N, committed while N+1 runs
-            updates.extend(self._commit_round(previous))
+        if self._in_flight is not None:  # an overlapping runner's round N, committed while N+1 runs
+            updates.extend(self._commit_round(self._in_flight))
         if launched is not None and not self.runner.overlaps:
-            self._in_flight = None
             updates.extend(self._commit_round(launched))
+            launched = None
+        self._in_flight = launched
         self.num_steps += 1
         return updates
 

@@ -108,13 +108,14 @@ class StandInRunner:
         self.times = PhaseTimes()
         self._sleep, self._clock = sleep, clock
         self._free_at = 0.0  # when the simulated device finishes the last round launched
-        self._rounds = 0  # rounds launched
-        self._uncommitted: tuple[int, frozenset[int]] = (0, frozenset())  # (round, its request ids) in flight
+        # per request of the last round launched: the output position its tokens end at. The engine
+        # commits a round whole (or ends the request) before it launches the one after next, so a
+        # request's next round starts there, or at its output when that round is committed already.
+        self._ends: dict[int, int] = {}
 
-    def _tokens(self, req: Request, n: int, ahead: int = 0) -> list[int]:
-        """The request's next n tokens: the cycle, at the request's output position plus `ahead` tokens
-        launched and not yet committed."""
-        base, ids = len(req.output_ids) + ahead, self.token_ids
+    def _tokens(self, req: Request, n: int, base: int | None = None) -> list[int]:
+        """The request's next n tokens: the cycle, at output position `base` (default: its output's end)."""
+        base, ids = len(req.output_ids) if base is None else base, self.token_ids
         return [ids[(base + j) % len(ids)] for j in range(n)]
 
     def prefill(self, reqs: list[Request], chunks: list[tuple[int, int]]) -> Prefilled:
@@ -138,8 +139,9 @@ class StandInRunner:
         simulated device is free; the returned function waits for them."""
         start = max(self._clock(), self._free_at)
         k = self.stand_in.tokens_per_round
-        in_flight = self._uncommitted[1]  # the round before, when the engine has not committed it yet
-        rows = [self._tokens(req, k, k if req.request_id in in_flight else 0) for req in reqs]
+        bases = [max(len(req.output_ids), self._ends.get(req.request_id, 0)) for req in reqs]
+        rows = [self._tokens(req, k, base) for req, base in zip(reqs, bases)]
+        self._ends = {req.request_id: base + k for req, base in zip(reqs, bases)}
         out = RoundOutput(
             accepted=[k - 1] * len(reqs),
             emitted=[r[-1] for r in rows],
@@ -149,16 +151,11 @@ class StandInRunner:
             overturned=[0] * len(reqs),
         )
         self._free_at = ready = start + self.stand_in.round_ms / 1000
-        self._rounds += 1
-        number = self._rounds
-        self._uncommitted = (number, frozenset(req.request_id for req in reqs))
 
         def result() -> RoundOutput:
             left = ready - self._clock()
             if left > 0:
                 self._sleep(left)
-            if self._uncommitted[0] == number:  # the engine commits what this returns
-                self._uncommitted = (number, frozenset())
             self.times.round_s += ready - start
             self.times.rounds += 1
             return out

@@ -132,7 +132,7 @@ class MetricBatch:
     def __init__(self, warn: Callable[[str], None]) -> None:
         self._warn = warn
         self._pending: list[tuple[Any, float]] = []  # (counter, increment)
-        self._histograms: dict[int, CounterHistogram] = {}  # observed since the last flush
+        self._histograms: set[CounterHistogram] = set()  # observed since the last flush
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -146,7 +146,7 @@ class MetricBatch:
     def observe(self, histogram: CounterHistogram, value: float) -> None:
         with self._lock:
             histogram.add(value)
-            self._histograms[id(histogram)] = histogram
+            self._histograms.add(histogram)
 
     def flush_soon(self) -> None:
         self._wake.set()
@@ -158,20 +158,22 @@ class MetricBatch:
         self.flush()
 
     def _run(self) -> None:
+        last = 0.0
         while not self._closed:
             self._wake.wait(POLL_S)
+            time.sleep(max(0.0, last + FLUSH_GAP_S - time.monotonic()))  # at once after a quiet spell
             self._wake.clear()
+            last = time.monotonic()
             try:
                 self.flush()
             except Exception as exc:  # metrics must never take the model down
                 self._warn(f"metrics update failed: {exc}")
-            time.sleep(FLUSH_GAP_S)
 
     def flush(self) -> None:
         with self._lock:
             batch, self._pending = self._pending, []
-            observed = [(h, *h.take()) for h in self._histograms.values()]
-            self._histograms = {}
+            observed = [(h, *h.take()) for h in self._histograms]
+            self._histograms = set()
         counters: dict[int, tuple[Any, float]] = {}
         for metric, value in batch:  # one increment per counter and flush
             counters[id(metric)] = (metric, counters.get(id(metric), (metric, 0.0))[1] + value)

@@ -128,7 +128,7 @@ class TritonPythonModel:
             self.tracker.fail(sender, rid, exc, tokens=0)
             return
         self.tracker.track(rid, handle)
-        serve = self._serve(request, sender, rid, handle, parsed, started)
+        serve = self._stream(request, sender, rid, handle, parsed, started)
         try:
             asyncio.run_coroutine_threadsafe(serve, self.loop)
         except RuntimeError as exc:  # the loop is closed: the model is being finalized
@@ -136,20 +136,6 @@ class TritonPythonModel:
             self.tracker.untrack(rid, handle)
             handle.abort()
             self.tracker.fail(sender, rid, exc, tokens=0)
-
-    async def _serve(
-        self,
-        request: Any,
-        sender: Any,
-        rid: str,
-        handle: RequestStream,
-        parsed: ParsedRequest,
-        started: float,
-    ) -> None:
-        try:
-            await self._stream(request, sender, handle, parsed, started)
-        finally:
-            self.tracker.untrack(rid, handle)
 
     def _submit(self, parsed: ParsedRequest) -> RequestStream:
         """generate_async: it tokenizes and validates (the engine's one place for semantic checks; a bad
@@ -160,9 +146,15 @@ class TritonPythonModel:
             raise RequestInputError(str(exc), field=getattr(exc, "field", None)) from None
 
     async def _stream(
-        self, request: Any, sender: Any, handle: RequestStream, parsed: ParsedRequest, started: float
+        self,
+        request: Any,
+        sender: Any,
+        rid: str,
+        handle: RequestStream,
+        parsed: ParsedRequest,
+        started: float,
     ) -> None:
-        """Relay the request's outputs until its final response (or its error)."""
+        """Relay the request's outputs until its final response (or its error); then it is untracked."""
         cancelled: set[int] = set()  # holds id(handle) once the watcher saw the client cancel
         watcher = asyncio.ensure_future(self.tracker.watch_cancel(request, handle, cancelled))
         seen: dict[int, tuple[int, int]] = {}  # per sequence: rounds and tokens counted in the metrics
@@ -189,9 +181,10 @@ class TritonPythonModel:
                     sender.send(self.codec.response(output, parsed), flags=0)
             raise RuntimeError("the engine ended the request without a final output")  # never a silent end
         except Exception as exc:  # the engine stopped (died, or was shut down) or failed the request
-            self.tracker.fail(sender, request.request_id(), exc, tokens=sum(t for _, t in seen.values()))
+            self.tracker.fail(sender, rid, exc, tokens=sum(t for _, t in seen.values()))
         finally:
             watcher.cancel()
+            self.tracker.untrack(rid, handle)
 
     # --- shutdown -------------------------------------------------------------------------------
     async def _cancel_tasks(self) -> None:
