@@ -188,12 +188,18 @@ def _packed_form(weight: torch.Tensor, *, float32: bool) -> str | None:
     if weight.dtype == torch.bfloat16 or (float32 and weight.dtype == torch.float32):
         if cpu_gemm.supports(weight):
             return "ours"
-        if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        if weight.dtype == torch.bfloat16 and onednn_bf16_available():
             return "onednn"
     # fp32 kept fp32: output widths in whole blocks only, so that the packed shape names the width
     if weight.dtype == torch.float32 and weight.shape[0] % cpu_gemm.BLOCK == 0 and cpu_gemm.f32_available():
         return "f32"
     return None
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN packs and multiplies bf16 weights on this CPU (it needs AVX512BW/VL/DQ or
+    AVX-NE-CONVERT; an AVX2-only CPU has neither, and its bf16 weights stay dense for torch's matmul)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: nn.Module, *, float32: bool = False) -> int:

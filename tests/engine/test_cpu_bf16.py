@@ -50,14 +50,20 @@ def layer_outputs(model: NativeTarget, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 NO_KERNEL = "this CPU has no AVX512-BF16 (or no C compiler): dflash-trt's bf16 GEMM does not run here"
+NO_ONEDNN = "this CPU has neither AVX512BW/VL/DQ nor AVX-NE-CONVERT: oneDNN's bf16 GEMM does not run here"
 
 
-@pytest.fixture(params=["onednn", "dflash"])
+@pytest.fixture(params=["onednn", "dflash", "dense"])
 def gemm_kernel(request, monkeypatch) -> str:
-    """Which kernel packed linears run: oneDNN's (our GEMM switched off), or dflash-trt's."""
-    if request.param == "onednn":
+    """Which kernel packed linears run: oneDNN's (our GEMM switched off), dflash-trt's, or neither (an
+    AVX2-only CPU, both switched off: the weights stay dense for torch's bf16 matmul)."""
+    if request.param in ("onednn", "dense"):
         monkeypatch.setattr(cpu_gemm, "available", lambda dtype=None: False)
-    elif not cpu_gemm.available():
+    if request.param == "dense":
+        monkeypatch.setattr(linear_mod, "onednn_bf16_available", lambda: False)
+    elif request.param == "onednn" and not linear_mod.onednn_bf16_available():
+        pytest.skip(NO_ONEDNN)
+    elif request.param == "dflash" and not cpu_gemm.available():
         pytest.skip(NO_KERNEL)
     return request.param
 
@@ -71,6 +77,10 @@ def test_packed_linears_equal_the_plain_ones_and_release_the_dense_weights(tie, 
         n_linear = sum(isinstance(m, Linear) for m in model.modules())
         packed = pack_linears(model)
         got = layer_outputs(model, x)
+    if gemm_kernel == "dense":  # nothing packed, nothing released, torch's own products
+        assert packed == 0 and all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert model.model.layers[0].self_attn.qkv.weight.numel() > 0
+        return
     # per layer: qkv, o, gate_up and down; plus the LM head
     assert packed == 4 * model.config.num_hidden_layers + 1 and n_linear > packed
     attn = model.model.layers[0].self_attn
@@ -142,7 +152,8 @@ def test_dflash_gemm_builds_once_into_its_cache(kernel, tmp_path, monkeypatch) -
 
 
 def test_only_bf16_cpu_weights_are_packed() -> None:
-    assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    bf16 = torch.zeros(4, 4, dtype=torch.bfloat16)  # where our GEMM or oneDNN's runs (not on AVX2 only)
+    assert can_pack(bf16) is (cpu_gemm.supports(bf16) or linear_mod.onednn_bf16_available())
     assert not can_pack(torch.zeros(4, 4))  # float32 keeps MKL's GEMMs
     assert not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16, device="meta"))
     # unless asked to: then fp32 weights holding bf16 values only, where the AVX2 kernel runs
@@ -234,12 +245,13 @@ def test_bf16_engine_is_lossless_and_runs_packed(threads_restored) -> None:
     tiny = {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "tiny"}
     prompts = heldout_prompts()[:4]
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    packs = can_pack(torch.zeros(16, 16, dtype=torch.bfloat16))  # not on an AVX2-only CPU: dense bf16
     with LLM("tiny", dtype="bfloat16", compile=False) as plain:
-        assert plain.engine.packed_weights == 4 * 12 + 1  # tiny: 12 layers, tied head
+        assert plain.engine.packed_weights == (4 * 12 + 1 if packs else 0)  # tiny: 12 layers, tied head
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     with LLM("tiny", dtype="bfloat16", compile=False, speculative_config=tiny, max_batch_size=4,
              cpu_threads=2) as llm:  # fmt: skip
-        assert llm.engine.packed_weights > 4 * 12 + 1  # the drafter's too
+        assert llm.engine.packed_weights > 4 * 12 + 1 or not packs  # the drafter's too
         split = cpu_gemm.bf16_op_available()
         assert (llm.cpu_threads, cpu_gemm.threads()) == ((1, 2) if split else (2, 2))
         seen = _threads_seen(llm.engine.runner.executor.parts)
