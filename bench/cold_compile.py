@@ -7,6 +7,7 @@ AOT autograd, inductor's lowering, code generation and C++ compiles).
     python bench/cold_compile.py --no-draft               # tiny alone
     python bench/cold_compile.py --cache-dir DIR --keep   # keep the artifacts (a warm start follows)
     python bench/cold_compile.py --workers 1              # one process (default: side by side)
+    DFLASH_TRT_KERNEL_UNITS=0 python bench/cold_compile.py  # a g++ run per kernel (engine/kernel_units.py)
 
 With helper processes (engine/precompile.py) the classes they compiled are listed from their log.
 
@@ -96,6 +97,7 @@ def main() -> None:
     )
     config = {"target": args.target, "drafter": drafter, "max_batch_size": args.max_batch_size,
               "workers": os.environ.get("DFLASH_TRT_COMPILE_WORKERS", "auto"),
+              "kernel_units": os.environ.get("DFLASH_TRT_KERNEL_UNITS", "1") != "0",
               "torch": torch.__version__, "python": platform.python_version(),
               **_cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     print("# cold compile:", json.dumps(config), flush=True)

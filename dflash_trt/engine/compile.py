@@ -19,7 +19,8 @@ each in its last batch of that size, so that most of the full block's rounds com
 Inside a class's graph each decoder layer (the target's and the drafter's) is one nested compile
 region (layers/regions.py): dynamo traces the first layer and inductor generates its code once, every
 other layer calls it with its own weights. That roughly halved `tiny`'s cold compile (12 layers), and
-more layers save more.
+more layers save more. The graph's C++ kernels are then built as one translation unit, one compiler
+run per graph instead of one per kernel (engine/kernel_units.py), around both compiling and loading.
 
 Ahead-of-time artifacts (`RoundCache`). Each class is compiled with
 `torch.compile(fullgraph=True).aot_compile` and saved, so that a later start loads it in seconds
@@ -50,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_trt.engine.kernel_units import one_unit_per_graph
 from dflash_trt.utils.env import scoped_env
 
 if TYPE_CHECKING:  # torch is imported where it is used: `serve` reads the names below without it
@@ -384,7 +386,7 @@ class RoundCache:
             return None
         t0 = time.perf_counter()
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb") as f, one_unit_per_graph():  # finds the units its compile built
                 fn = torch.compiler.load_compiled_function(f, f_globals=self._cores[key[0]].fn.__globals__)
         except Exception as exc:  # a stale or damaged artifact is compiled again, never trusted
             log.warning("compiled round %s could not be loaded (%s); compiling it again", path.name, exc)
@@ -525,6 +527,7 @@ def compile_rules() -> Any:
     stack.enter_context(shape_rules())
     stack.enter_context(fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
     stack.enter_context(dynamo_config.patch(specialize_float=True, automatic_dynamic_shapes=False))
+    stack.enter_context(one_unit_per_graph())
     return stack
 
 
