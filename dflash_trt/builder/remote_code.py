@@ -40,14 +40,19 @@ def native_model_types() -> frozenset[str] | None:
     return frozenset(CONFIG_MAPPING_NAMES)
 
 
-def _needs(role: str, ref: str, config: dict[str, Any], native: frozenset[str] | None) -> str | None:
-    """Why this repository needs its code trusted, or None."""
+def _mapped(config: dict[str, Any]) -> dict[str, Any]:
+    """The classes transformers would load that the config's auto_map points at the repository's code."""
     auto_map = config.get("auto_map") or {}
-    mapped = (
+    return (
         {k: v for k, v in auto_map.items() if k in LOADED_BY_TRANSFORMERS}
         if isinstance(auto_map, dict)
         else {}
     )
+
+
+def _needs(role: str, ref: str, config: dict[str, Any], native: frozenset[str] | None) -> str | None:
+    """Why this repository needs its code trusted, or None."""
+    mapped = _mapped(config)
     if not mapped:
         return None
     model_type = config.get("model_type")
@@ -64,8 +69,9 @@ def _needs(role: str, ref: str, config: dict[str, Any], native: frozenset[str] |
 def decide_remote_code(pair: ResolvedPair, *, refuse: bool) -> RemoteCode:
     """Whether the plan trusts remote code, with the note that says why. With `refuse`
     (--no-remote-code) a repository that needs its code is a usage error."""
-    native = native_model_types()
     sources = [("target", pair.target), *([("drafter", pair.drafter)] if pair.drafter is not None else [])]
+    # transformers' model types only matter for a config that maps code (importing it takes seconds: torch)
+    native = native_model_types() if any(_mapped(s.config) for _, s in sources) else frozenset()
     reasons = [r for role, s in sources if (r := _needs(role, s.ref, s.config, native)) is not None]
     if reasons and refuse:
         raise UsageError(

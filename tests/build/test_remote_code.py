@@ -75,3 +75,22 @@ def test_without_transformers_a_code_mapping_is_trusted_and_said_so() -> None:
     assert (
         _needs("drafter", "org/d", {"model_type": "x", "auto_map": {"AutoModel": "m.M"}}, frozenset()) is None
     )
+
+
+def test_planning_a_published_pair_imports_neither_torch_nor_transformers() -> None:
+    """No config of the pair maps code, so transformers' model types are not needed: `build --dry-run`
+    stays a sub-second command (importing transformers pulled torch in: 4-5 s on a 2-core CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom dflash_trt.cli import main\n"
+        "try:\n    main(['build', '--target', 'gpt-oss-120b', '--gpu', 'h200', '--tp', '8', '--dry-run', '--json'])\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('IMPORTED', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "IMPORTED []"
